@@ -1,0 +1,531 @@
+//! The runtime: [`Consumer`] pulls deliveries, runs each through the inbox pipeline
+//! ([`process`]) and settles it.
+//!
+//! Scheduling: one intake task calls [`MessageSource::receive`] while fewer than
+//! `max_in_flight` deliveries are unsettled and the database is healthy. The scheduler runs
+//! each delivery in its own task, at most `concurrency` at a time; deliveries of one
+//! [`Lane::Ordered`] lane wait for their predecessor, so a lane is processed in receive order
+//! while different lanes run concurrently.
+
+mod process;
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Error;
+use crate::handler::Handler;
+use crate::message::{Fingerprint, IdStrategy};
+use crate::retry::{backoff_ceiling, RetryPolicy};
+use crate::source::{Lane, MessageSource, RetryMode, SourceError};
+use crate::store::{InboxStore, StoreError};
+use crate::telemetry;
+
+/// Default for [`ConsumerBuilder::concurrency`].
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Default for [`ConsumerBuilder::max_in_flight`].
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+/// Default for [`ConsumerBuilder::max_message_bytes`]: 1 MiB.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+
+/// A consumer: one source, one inbox store, one handler.
+///
+/// Built with [`Consumer::builder`], started with [`Consumer::run`] or
+/// [`Consumer::run_until`].
+pub struct Consumer<Src, St, H> {
+    source: Src,
+    shared: Arc<Shared<St, H>>,
+    max_in_flight: usize,
+}
+
+impl<Src, St, H> std::fmt::Debug for Consumer<Src, St, H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("name", &self.shared.name)
+            .field("system", &self.shared.system)
+            .field("id_strategy", &self.shared.id_strategy)
+            .field("concurrency", &self.shared.concurrency_limit)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configuration and wiring for a [`Consumer`]; see [`Consumer::builder`].
+#[derive(Debug)]
+#[must_use = "a builder does nothing until .build()"]
+pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
+    name: String,
+    source: Src,
+    inbox: St,
+    handler: H,
+    id_strategy: Option<IdStrategy>,
+    fingerprint: Fingerprint,
+    retry: RetryPolicy,
+    concurrency: usize,
+    max_in_flight: usize,
+    max_message_bytes: usize,
+}
+
+impl Consumer<(), (), ()> {
+    /// Starts building a consumer called `name`.
+    ///
+    /// The name is half of every inbox key: two consumers with different names process the
+    /// same message independently; instances of one service must share a name. It is stored as
+    /// data, never interpolated into SQL: 1 to 128 characters of `A-Z a-z 0-9 . _ - :`.
+    pub fn builder(name: impl Into<String>) -> ConsumerBuilder {
+        ConsumerBuilder {
+            name: name.into(),
+            source: (),
+            inbox: (),
+            handler: (),
+            id_strategy: None,
+            fingerprint: Fingerprint::default(),
+            retry: RetryPolicy::default(),
+            concurrency: DEFAULT_CONCURRENCY,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+        }
+    }
+}
+
+impl<Src, St, H> ConsumerBuilder<Src, St, H> {
+    /// Where messages come from.
+    pub fn source<S2: MessageSource>(self, source: S2) -> ConsumerBuilder<S2, St, H> {
+        ConsumerBuilder {
+            name: self.name,
+            source,
+            inbox: self.inbox,
+            handler: self.handler,
+            id_strategy: self.id_strategy,
+            fingerprint: self.fingerprint,
+            retry: self.retry,
+            concurrency: self.concurrency,
+            max_in_flight: self.max_in_flight,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+
+    /// Where the inbox lives (and where the handler's effects are written).
+    pub fn inbox<S2: InboxStore>(self, inbox: S2) -> ConsumerBuilder<Src, S2, H> {
+        ConsumerBuilder {
+            name: self.name,
+            source: self.source,
+            inbox,
+            handler: self.handler,
+            id_strategy: self.id_strategy,
+            fingerprint: self.fingerprint,
+            retry: self.retry,
+            concurrency: self.concurrency,
+            max_in_flight: self.max_in_flight,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+
+    /// The user code run for every new message.
+    pub fn handler<H2>(self, handler: H2) -> ConsumerBuilder<Src, St, H2> {
+        ConsumerBuilder {
+            name: self.name,
+            source: self.source,
+            inbox: self.inbox,
+            handler,
+            id_strategy: self.id_strategy,
+            fingerprint: self.fingerprint,
+            retry: self.retry,
+            concurrency: self.concurrency,
+            max_in_flight: self.max_in_flight,
+            max_message_bytes: self.max_message_bytes,
+        }
+    }
+
+    /// How message IDs are derived. Default: the source's
+    /// [`default_id_strategy`](crate::Capabilities::default_id_strategy).
+    pub fn id_strategy(mut self, strategy: IdStrategy) -> Self {
+        self.id_strategy = Some(strategy);
+        self
+    }
+
+    /// How payload fingerprints are computed. Default: SHA-256 of the bytes.
+    pub fn fingerprint(mut self, fingerprint: Fingerprint) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// Retry schedule for transient handler failures. Default: [`RetryPolicy::default`].
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How many messages are processed at the same time (each holds one database connection).
+    /// Must not exceed the pool's `max_connections`. Default: 8.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+
+    /// How many deliveries may be received and not yet settled; intake waits beyond it.
+    /// Default: 256.
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Largest accepted payload plus headers, in bytes. Larger messages are dead-lettered with
+    /// reason `too_large` without running the handler. Default: 1 MiB.
+    pub fn max_message_bytes(mut self, n: usize) -> Self {
+        self.max_message_bytes = n;
+        self
+    }
+}
+
+impl<Src, St, H> ConsumerBuilder<Src, St, H>
+where
+    Src: MessageSource,
+    St: InboxStore,
+    H: Handler<St::Db>,
+{
+    /// Validates the configuration and builds the consumer.
+    pub fn build(self) -> Result<Consumer<Src, St, H>, Error> {
+        validate_name(&self.name).map_err(Error::Config)?;
+        let caps = self.source.capabilities();
+        let id_strategy = self.id_strategy.unwrap_or(caps.default_id_strategy);
+        id_strategy.validate().map_err(Error::Config)?;
+        self.retry.validate().map_err(Error::Config)?;
+        if self.concurrency == 0 {
+            return Err(Error::Config("concurrency must be at least 1".into()));
+        }
+        if let Some(max) = self.inbox.max_connections() {
+            if self.concurrency > max as usize {
+                return Err(Error::Config(format!(
+                    "concurrency ({}) exceeds the database pool's max_connections ({max}): every \
+                     message in progress holds a connection; raise max_connections or lower concurrency",
+                    self.concurrency
+                )));
+            }
+        }
+        if self.max_in_flight < self.concurrency {
+            return Err(Error::Config(format!(
+                "max_in_flight ({}) must be at least concurrency ({})",
+                self.max_in_flight, self.concurrency
+            )));
+        }
+        if self.max_message_bytes == 0 {
+            return Err(Error::Config("max_message_bytes must be at least 1".into()));
+        }
+        telemetry::describe();
+        let (healthy, _) = watch::channel(true);
+        Ok(Consumer {
+            source: self.source,
+            max_in_flight: self.max_in_flight,
+            shared: Arc::new(Shared {
+                name: self.name.into(),
+                system: caps.system,
+                retry_mode: caps.retry,
+                store: self.inbox,
+                handler: self.handler,
+                id_strategy,
+                fingerprint: self.fingerprint,
+                retry: self.retry,
+                max_message_bytes: self.max_message_bytes,
+                concurrency: Arc::new(Semaphore::new(self.concurrency)),
+                concurrency_limit: self.concurrency,
+                healthy,
+                shutdown: CancellationToken::new(),
+                fatal: Mutex::new(None),
+            }),
+        })
+    }
+}
+
+fn validate_name(name: &str) -> Result<(), String> {
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':');
+    if name.is_empty() || name.len() > 128 {
+        return Err(format!(
+            "consumer name must be 1 to 128 characters long, got {}",
+            name.len()
+        ));
+    }
+    if let Some(bad) = name.chars().find(|c| !ok_char(*c)) {
+        return Err(format!(
+            "consumer name {name:?} contains {bad:?}; use only A-Z a-z 0-9 . _ - :"
+        ));
+    }
+    Ok(())
+}
+
+/// State shared by the scheduler and every message task.
+pub(crate) struct Shared<St, H> {
+    pub(crate) name: Arc<str>,
+    pub(crate) system: &'static str,
+    pub(crate) retry_mode: RetryMode,
+    pub(crate) store: St,
+    pub(crate) handler: H,
+    pub(crate) id_strategy: IdStrategy,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) max_message_bytes: usize,
+    concurrency: Arc<Semaphore>,
+    concurrency_limit: usize,
+    /// `false` while the inbox database is unreachable: intake pauses.
+    healthy: watch::Sender<bool>,
+    pub(crate) shutdown: CancellationToken,
+    fatal: Mutex<Option<Error>>,
+}
+
+impl<St, H> Shared<St, H> {
+    pub(crate) fn set_healthy(&self, healthy: bool) {
+        let changed = self
+            .healthy
+            .send_if_modified(|h| std::mem::replace(h, healthy) != healthy);
+        if changed && healthy {
+            tracing::info!(consumer = %self.name, "inbox database reachable again; intake resumes");
+        } else if changed {
+            tracing::warn!(consumer = %self.name, "inbox database unreachable; intake paused, nothing is acknowledged until it returns");
+        }
+    }
+
+    async fn wait_healthy(&self) {
+        let mut rx = self.healthy.subscribe();
+        tokio::select! {
+            _ = rx.wait_for(|h| *h) => {}
+            _ = self.shutdown.cancelled() => {}
+        }
+    }
+
+    /// Stops the consumer with `error`: intake stops, in-flight work drains.
+    pub(crate) fn fail(&self, error: Error) {
+        tracing::error!(consumer = %self.name, %error, "stopping consumer");
+        self.fatal.lock().unwrap().get_or_insert(error);
+        self.shutdown.cancel();
+    }
+
+    /// Sleeps `delay`, or returns `false` at once if shutdown starts.
+    pub(crate) async fn sleep(&self, delay: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = self.shutdown.cancelled() => false,
+        }
+    }
+}
+
+/// Backoff for an unavailable inbox database: 100 ms doubling to 5 s, full jitter.
+pub(crate) fn store_backoff(attempt: u32) -> Duration {
+    backoff_ceiling(Duration::from_millis(100), Duration::from_secs(5), attempt)
+        .mul_f64(0.5 + fastrand::f64() / 2.0)
+}
+
+/// A received delivery and the in-flight slot it occupies until its task ends.
+struct InFlight<D> {
+    delivery: D,
+    _slot: Slot,
+}
+
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    gauge: metrics::Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.gauge.decrement(1.0);
+    }
+}
+
+impl<Src, St, H> Consumer<Src, St, H>
+where
+    Src: MessageSource,
+    St: InboxStore,
+    H: Handler<St::Db>,
+{
+    /// Runs until the source is finished ([`MessageSource::receive`] returns `Ok(None)`) or a
+    /// fatal error; see [`run_until`](Self::run_until).
+    pub async fn run(self) -> Result<(), Error> {
+        self.run_until(std::future::pending::<()>()).await
+    }
+
+    /// Runs until `shutdown` completes, the source is finished, or a fatal error.
+    ///
+    /// Shutdown is graceful: intake stops, every received delivery is processed and settled
+    /// (deliveries waiting for an in-place retry are left unsettled and will be redelivered),
+    /// then the source is closed. Transactions are never cancelled midway.
+    ///
+    /// If the future returned here is dropped instead, in-progress transactions roll back and
+    /// their deliveries stay unsettled: like a crash, which the inbox makes safe.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+        let Consumer {
+            source,
+            shared,
+            max_in_flight,
+        } = self;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let intake = tokio::spawn(intake(source, shared.clone(), max_in_flight, tx));
+        // If this future is dropped (the caller's "crash"), stop intake too.
+        let _stop_intake = shared.shutdown.clone().drop_guard();
+
+        let mut tasks = JoinSet::new();
+        let mut task_lanes: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
+        // A lane is present while a task of it runs; its queue holds the deliveries after it.
+        let mut lanes: HashMap<Arc<str>, VecDeque<InFlight<Src::Delivery>>> = HashMap::new();
+        let mut intake_open = true;
+        tokio::pin!(shutdown);
+        let mut signalled = false;
+
+        while intake_open || !tasks.is_empty() {
+            tokio::select! {
+                _ = &mut shutdown, if !signalled => {
+                    signalled = true;
+                    tracing::info!(consumer = %shared.name, "shutdown requested: stopping intake and draining");
+                    shared.shutdown.cancel();
+                }
+                item = rx.recv(), if intake_open => match item {
+                    Some(item) => {
+                        let lane = match crate::source::Delivery::lane(&item.delivery) {
+                            Lane::Unordered => None,
+                            Lane::Ordered(key) => Some(key),
+                        };
+                        match lane {
+                            Some(key) if lanes.contains_key(&key) => lanes.get_mut(&key).unwrap().push_back(item),
+                            Some(key) => {
+                                lanes.insert(key.clone(), VecDeque::new());
+                                let id = spawn_task(&mut tasks, &shared, item);
+                                task_lanes.insert(id, key);
+                            }
+                            None => {
+                                spawn_task(&mut tasks, &shared, item);
+                            }
+                        }
+                    }
+                    None => intake_open = false,
+                },
+                Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                    let id = match done {
+                        Ok((id, ())) => id,
+                        Err(e) => {
+                            // A bug in txinbox or an adapter, not in the handler (handler panics
+                            // are caught). The delivery was dropped unsettled: it will be
+                            // redelivered.
+                            tracing::error!(consumer = %shared.name, error = %e, "message task failed");
+                            e.id()
+                        }
+                    };
+                    if let Some(key) = task_lanes.remove(&id) {
+                        let queue = lanes.get_mut(&key).expect("a running lane has a queue");
+                        match queue.pop_front() {
+                            Some(next) => {
+                                let id = spawn_task(&mut tasks, &shared, next);
+                                task_lanes.insert(id, key);
+                            }
+                            None => {
+                                lanes.remove(&key);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        let source = intake
+            .await
+            .map_err(|e| Error::Source(SourceError::fatal(format!("intake task failed: {e}"))))?;
+        if let Err(e) = source.close().await {
+            tracing::warn!(consumer = %shared.name, error = %e, "closing the source failed");
+        }
+        let fatal = shared.fatal.lock().unwrap().take();
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+fn spawn_task<D, St, H>(
+    tasks: &mut JoinSet<()>,
+    shared: &Arc<Shared<St, H>>,
+    item: InFlight<D>,
+) -> tokio::task::Id
+where
+    D: crate::source::Delivery,
+    St: InboxStore,
+    H: Handler<St::Db>,
+{
+    let shared = shared.clone();
+    tasks
+        .spawn(async move {
+            let _permit = shared.concurrency.clone().acquire_owned().await;
+            let InFlight { delivery, _slot } = item;
+            process::process(&shared, delivery).await;
+        })
+        .id()
+}
+
+/// Receives while there is room and the database is healthy; returns the source at the end.
+async fn intake<Src: MessageSource, St, H>(
+    mut source: Src,
+    shared: Arc<Shared<St, H>>,
+    max_in_flight: usize,
+    tx: mpsc::UnboundedSender<InFlight<Src::Delivery>>,
+) -> Src {
+    let slots = Arc::new(Semaphore::new(max_in_flight));
+    let gauge = metrics::gauge!(telemetry::IN_FLIGHT, "consumer" => shared.name.to_string());
+    let mut errors = 0u32;
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => p.expect("semaphore is never closed"),
+            _ = shared.shutdown.cancelled() => break,
+        };
+        shared.wait_healthy().await;
+        // NOTE: `receive` is cancellation safe by contract; dropping it on shutdown loses nothing.
+        let received = tokio::select! {
+            biased;
+            _ = shared.shutdown.cancelled() => break,
+            r = source.receive() => r,
+        };
+        match received {
+            Ok(Some(delivery)) => {
+                errors = 0;
+                gauge.increment(1.0);
+                let slot = Slot {
+                    _permit: permit,
+                    gauge: gauge.clone(),
+                };
+                if tx
+                    .send(InFlight {
+                        delivery,
+                        _slot: slot,
+                    })
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            Ok(None) => {
+                tracing::info!(consumer = %shared.name, "source finished");
+                break;
+            }
+            Err(e) if e.is_transient() => {
+                errors += 1;
+                let delay = store_backoff(errors);
+                tracing::warn!(consumer = %shared.name, error = %e, ?delay, "receive failed; retrying");
+                if !shared.sleep(delay).await {
+                    break;
+                }
+            }
+            Err(e) => {
+                shared.fail(Error::Source(e));
+                break;
+            }
+        }
+    }
+    source
+}
+
+impl From<StoreError> for Error {
+    fn from(e: StoreError) -> Self {
+        Error::Store(e)
+    }
+}

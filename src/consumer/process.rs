@@ -1,0 +1,373 @@
+//! The pipeline for one delivery (DESIGN.md §5):
+//!
+//! derive ID + fingerprint → BEGIN → claim (insert inbox row) → handler → COMMIT → settle.
+//!
+//! Invariants kept here:
+//! - settle `Ack` only after COMMIT succeeded; a COMMIT error (outcome unknown) goes back
+//!   through the claim, never to the broker;
+//! - a transient failure rolls back first, then counts the attempt in its own transaction;
+//! - a dead letter is recorded in the database before the broker is told;
+//! - `begin` and `commit` are never raced against a timer or shutdown (sqlx #4393).
+
+use std::panic::AssertUnwindSafe;
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use tracing::{field, Instrument, Span};
+
+use super::{store_backoff, Shared};
+use crate::error::Error;
+use crate::handler::{Context, Handler, HandlerError};
+use crate::message::MessageId;
+use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode, Settlement};
+use crate::store::{clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError};
+use crate::telemetry;
+
+/// What to tell the broker, decided after the database work is done.
+enum Verdict {
+    Processed,
+    Duplicate,
+    Retry(Duration),
+    DeadLetter(DeadLetter),
+}
+
+/// The result of one trip through the message transaction.
+enum Attempt {
+    Committed,
+    Duplicate,
+    Conflict,
+    Failed { attempt: u32, error: HandlerError },
+}
+
+pub(super) async fn process<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: D,
+) {
+    let msg = delivery.message();
+    let origin = msg.origin();
+    let span = tracing::info_span!(
+        "txinbox.process",
+        "messaging.system" = shared.system,
+        "messaging.operation.type" = "process",
+        "messaging.destination.name" = &*origin.destination,
+        "messaging.consumer.group.name" = &*shared.name,
+        "messaging.destination.partition.id" = origin.partition,
+        "messaging.kafka.offset" = origin.offset,
+        "messaging.message.id" = field::Empty,
+        "txinbox.attempt" = field::Empty,
+        "txinbox.outcome" = field::Empty,
+    );
+    async move {
+        let Some(verdict) = decide(shared, &delivery).await else {
+            tracing::Span::current().record("txinbox.outcome", "abandoned");
+            tracing::debug!("left unsettled at shutdown; the broker will redeliver it");
+            return;
+        };
+        settle(shared, delivery, verdict).await;
+    }
+    .instrument(span)
+    .await
+}
+
+/// Runs the database side to a verdict. `None`: shutdown (or a fatal error) came first and the
+/// delivery must stay unsettled.
+async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: &D,
+) -> Option<Verdict> {
+    let msg = delivery.message();
+    let position = delivery.position();
+    let id = match shared.id_strategy.derive(msg) {
+        Ok(id) => id,
+        Err(missing) => {
+            return dead_letter(
+                shared,
+                delivery,
+                None,
+                DeadLetterReason::MissingId,
+                &missing.to_string(),
+                0,
+            )
+            .await;
+        }
+    };
+    Span::current().record("messaging.message.id", id.as_str());
+    if let Some(problem) = id.problem() {
+        return dead_letter(shared, delivery, None, DeadLetterReason::InvalidId, &problem, 0).await;
+    }
+    let fingerprint = shared.fingerprint.of(msg);
+    let entry = Entry {
+        consumer: &shared.name,
+        id: &id,
+        fingerprint: &fingerprint,
+        origin: msg.origin(),
+    };
+    let size = msg.payload().len() + msg.headers().byte_len();
+    if size > shared.max_message_bytes {
+        let error = format!(
+            "message is {size} bytes (payload and headers); the limit is {} (Consumer::max_message_bytes)",
+            shared.max_message_bytes
+        );
+        return dead_letter(
+            shared,
+            delivery,
+            Some(entry),
+            DeadLetterReason::TooLarge,
+            &error,
+            0,
+        )
+        .await;
+    }
+
+    let mut store_failures = 0;
+    loop {
+        let outcome = attempt(shared, delivery, &id, &entry, position.as_ref()).await;
+        let outcome = match outcome {
+            Ok(outcome) => {
+                shared.set_healthy(true);
+                store_failures = 0;
+                outcome
+            }
+            Err(e) => {
+                // Nothing is settled: the transaction rolled back, or its COMMIT outcome is
+                // unknown. Either way the next trip goes through the claim again.
+                store_failures += 1;
+                store_unavailable(shared, e, store_failures)?;
+                if !shared.sleep(store_backoff(store_failures)).await {
+                    return None;
+                }
+                continue;
+            }
+        };
+        match outcome {
+            Attempt::Committed => return Some(Verdict::Processed),
+            Attempt::Duplicate => return Some(Verdict::Duplicate),
+            Attempt::Conflict => {
+                metrics::counter!(telemetry::CONFLICTS, "consumer" => shared.name.to_string()).increment(1);
+                let error = format!(
+                    "message ID {id} was already seen with a different payload fingerprint; the handler was not run"
+                );
+                return dead_letter(
+                    shared,
+                    delivery,
+                    Some(entry),
+                    DeadLetterReason::Conflict,
+                    &error,
+                    0,
+                )
+                .await;
+            }
+            Attempt::Failed { attempt, error } => {
+                Span::current().record("txinbox.attempt", attempt);
+                let text = clean_text(&error.to_string());
+                if error.is_permanent() {
+                    tracing::warn!(attempt, error = %text, "handler failed permanently");
+                    return dead_letter(shared, delivery, Some(entry), error.reason(), &text, attempt).await;
+                }
+                if shared.retry.exhausted(attempt) {
+                    tracing::warn!(attempt, error = %text, "handler failed; attempts exhausted");
+                    let reason = DeadLetterReason::AttemptsExhausted;
+                    return dead_letter(shared, delivery, Some(entry), reason, &text, attempt).await;
+                }
+                let delay = shared.retry.delay(attempt, error.requested_delay());
+                tracing::info!(attempt, error = %text, ?delay, "handler failed transiently; will retry");
+                // Count the attempt in its own transaction. If the key became terminal meanwhile
+                // (another consumer finished it), the retry will find a duplicate.
+                with_store(shared, || shared.store.record_failure(&entry, &text)).await?;
+                metrics::counter!(telemetry::RETRIES, "consumer" => shared.name.to_string()).increment(1);
+                match shared.retry_mode {
+                    RetryMode::Redeliver => return Some(Verdict::Retry(delay)),
+                    RetryMode::InPlace => {
+                        if !shared.sleep(delay).await {
+                            return None;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One trip through the message transaction.
+async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: &D,
+    id: &MessageId,
+    entry: &Entry<'_>,
+    position: Option<&Position>,
+) -> Result<Attempt, StoreError> {
+    let store = &shared.store;
+    // NOTE: never wrap begin/commit in a timeout or select!: a cancelled BEGIN can leave a
+    // pooled connection inside a transaction (sqlx #4393), a cancelled COMMIT has an unknown
+    // outcome. Server-side timeouts bound them instead.
+    let mut tx = store.begin().await?;
+    let attempt = match store.claim(&mut *tx, entry).await? {
+        Claim::New { attempt } => attempt,
+        Claim::Duplicate(_) => {
+            match position {
+                Some(p) => {
+                    store.save_position(&mut *tx, &shared.name, p).await?;
+                    store.commit(tx).await?;
+                }
+                None => drop(tx.rollback().await),
+            }
+            return Ok(Attempt::Duplicate);
+        }
+        Claim::Conflict => {
+            drop(tx.rollback().await);
+            return Ok(Attempt::Conflict);
+        }
+    };
+    Span::current().record("txinbox.attempt", attempt);
+
+    let started = Instant::now();
+    let result = {
+        let mut cx = Context {
+            conn: &mut *tx,
+            consumer: &shared.name,
+            id,
+            attempt,
+        };
+        AssertUnwindSafe(shared.handler.handle(&mut cx, delivery.message()))
+            .catch_unwind()
+            .await
+    };
+    metrics::histogram!(telemetry::HANDLER_DURATION, "consumer" => shared.name.to_string())
+        .record(started.elapsed().as_secs_f64());
+    let error = match result {
+        Ok(Ok(())) => {
+            if let Some(p) = position {
+                store.save_position(&mut *tx, &shared.name, p).await?;
+            }
+            let started = Instant::now();
+            store.commit(tx).await?;
+            metrics::histogram!(telemetry::COMMIT_DURATION, "consumer" => shared.name.to_string())
+                .record(started.elapsed().as_secs_f64());
+            return Ok(Attempt::Committed);
+        }
+        Ok(Err(error)) => error,
+        Err(panic) => HandlerError::transient(format!("handler panicked: {}", panic_message(&*panic))),
+    };
+    // Roll back explicitly rather than on drop, so the connection is clean before it returns to
+    // the pool. If the rollback fails the connection is closed; nothing was committed either way.
+    drop(tx.rollback().await);
+    Ok(Attempt::Failed { attempt, error })
+}
+
+/// Records a dead letter (retrying while the database is unavailable) and returns the verdict.
+async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: &D,
+    entry: Option<Entry<'_>>,
+    reason: DeadLetterReason,
+    error: &str,
+    attempts: u32,
+) -> Option<Verdict> {
+    let position = delivery.position();
+    let record = DeadLetterRecord {
+        consumer: &shared.name,
+        entry,
+        message: delivery.message(),
+        reason,
+        error,
+        attempts,
+        position: position.as_ref(),
+    };
+    match with_store(shared, || shared.store.dead_letter(&record)).await? {
+        DeadLetterOutcome::Recorded => Some(Verdict::DeadLetter(DeadLetter {
+            reason,
+            error: error.to_owned(),
+        })),
+        DeadLetterOutcome::AlreadyProcessed => Some(Verdict::Duplicate),
+    }
+}
+
+/// Runs a short store operation until it succeeds, backing off while the database is
+/// unavailable. `None` on shutdown or a fatal error.
+async fn with_store<St, H, T, F, Fut>(shared: &Shared<St, H>, mut op: F) -> Option<T>
+where
+    St: InboxStore,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut failures = 0;
+    loop {
+        match op().await {
+            Ok(v) => {
+                shared.set_healthy(true);
+                return Some(v);
+            }
+            Err(e) => {
+                failures += 1;
+                store_unavailable(shared, e, failures)?;
+                if !shared.sleep(store_backoff(failures)).await {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Pauses intake on a transient store error; stops the consumer on a fatal one (`None`).
+fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32) -> Option<()> {
+    if !e.is_transient() {
+        shared.fail(Error::Store(e));
+        return None;
+    }
+    metrics::counter!(telemetry::STORE_ERRORS, "consumer" => shared.name.to_string()).increment(1);
+    if failures == 1 {
+        tracing::warn!(error = %e, "inbox database unavailable; backing off");
+    }
+    shared.set_healthy(false);
+    Some(())
+}
+
+async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: D,
+    verdict: Verdict,
+) {
+    let consumer = shared.name.to_string();
+    let (outcome, settlement) = match verdict {
+        Verdict::Processed => {
+            metrics::counter!(telemetry::PROCESSED, "consumer" => consumer.clone()).increment(1);
+            ("processed", Settlement::Ack)
+        }
+        Verdict::Duplicate => {
+            metrics::counter!(telemetry::DUPLICATES, "consumer" => consumer.clone()).increment(1);
+            ("duplicate", Settlement::Ack)
+        }
+        Verdict::Retry(after) => ("retry", Settlement::Retry { after }),
+        Verdict::DeadLetter(dl) => {
+            metrics::counter!(telemetry::DEAD_LETTERS, "consumer" => consumer.clone(), "reason" => dl.reason.as_str())
+                .increment(1);
+            tracing::warn!(reason = %dl.reason, error = %dl.error, "dead-lettered");
+            ("dead_lettered", Settlement::DeadLetter(dl))
+        }
+    };
+    Span::current().record("txinbox.outcome", outcome);
+    if let Err(e) = delivery.settle(settlement).await {
+        // The database side is final; the broker will redeliver and the inbox deduplicates.
+        metrics::counter!(telemetry::ACK_FAILURES, "consumer" => consumer).increment(1);
+        tracing::warn!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
+    } else {
+        tracing::debug!(outcome, "settled");
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn panic_messages_are_extracted() {
+        let p = std::panic::catch_unwind(|| panic!("boom {}", 1)).unwrap_err();
+        assert_eq!(super::panic_message(&*p), "boom 1");
+    }
+}

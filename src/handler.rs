@@ -1,0 +1,193 @@
+//! User code: [`Handler`], the [`Context`] it runs in, and the [`HandlerError`] it returns.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::message::{Message, MessageId};
+use crate::source::DeadLetterReason;
+
+/// Processes one new message inside the inbox transaction.
+///
+/// The handler runs only for messages whose ID the inbox has not seen. Everything it writes
+/// through [`Context::db`] commits together with the inbox row, or not at all. It must not
+/// commit, roll back or otherwise end the transaction, and it should not cause effects outside
+/// the database (publish through an outbox instead): those are not rolled back on failure.
+///
+/// `DB` is the sqlx database of the inbox store (`sqlx::Postgres` for
+/// [`PostgresInbox`](crate::PostgresInbox)).
+///
+/// ```no_run
+/// use txinbox::{Context, Handler, HandlerError, Message};
+///
+/// struct Deposit;
+///
+/// #[derive(serde::Deserialize)]
+/// struct Event { account: String, amount: i64 }
+///
+/// #[async_trait::async_trait]
+/// impl Handler<sqlx::Postgres> for Deposit {
+///     async fn handle(&self, cx: &mut Context<'_, sqlx::Postgres>, msg: &Message) -> Result<(), HandlerError> {
+///         let event: Event = msg.json()?; // undecodable → permanent → dead-lettered
+///         sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///             .bind(event.amount)
+///             .bind(&event.account)
+///             .execute(cx.db())
+///             .await?; // database errors are transient: retried with backoff
+///         Ok(())
+///     }
+/// }
+/// ```
+#[async_trait]
+#[diagnostic::on_unimplemented(
+    note = "implement `txinbox::Handler<sqlx::Postgres>` (with #[async_trait]) for your handler type"
+)]
+pub trait Handler<DB: sqlx::Database>: Send + Sync + 'static {
+    /// Applies the message's effects using `cx.db()`.
+    ///
+    /// A panic is caught and treated as a transient error; the transaction is rolled back.
+    async fn handle(&self, cx: &mut Context<'_, DB>, msg: &Message) -> Result<(), HandlerError>;
+}
+
+/// What a handler gets besides the message: the open transaction and facts about the attempt.
+pub struct Context<'a, DB: sqlx::Database> {
+    pub(crate) conn: &'a mut DB::Connection,
+    pub(crate) consumer: &'a str,
+    pub(crate) id: &'a MessageId,
+    pub(crate) attempt: u32,
+}
+
+impl<DB: sqlx::Database> Context<'_, DB> {
+    /// The connection holding the inbox transaction. Write your effects here:
+    /// `sqlx::query(..).execute(cx.db())`.
+    pub fn db(&mut self) -> &mut DB::Connection {
+        self.conn
+    }
+
+    /// The consumer's name.
+    pub fn consumer(&self) -> &str {
+        self.consumer
+    }
+
+    /// The message ID the inbox deduplicates on.
+    pub fn message_id(&self) -> &MessageId {
+        self.id
+    }
+
+    /// Which attempt this is, starting at 1. Counted in the database, so it survives restarts
+    /// and is the same whichever consumer instance runs it.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+}
+
+impl<DB: sqlx::Database> fmt::Debug for Context<'_, DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("consumer", &self.consumer)
+            .field("message_id", &self.id)
+            .field("attempt", &self.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a handler failed, and whether trying again can help.
+///
+/// Any error converts into a **transient** `HandlerError`, so `?` works and the message is
+/// retried with backoff. Say [`HandlerError::permanent`] when a retry cannot succeed (invalid
+/// business data): the message is dead-lettered at once and its lane moves on.
+///
+/// `HandlerError` deliberately does not implement [`std::error::Error`] (like `anyhow::Error`),
+/// which is what makes the blanket `From` possible.
+pub struct HandlerError {
+    kind: Kind,
+    reason: DeadLetterReason,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Transient { retry_after: Option<Duration> },
+    Permanent,
+}
+
+impl HandlerError {
+    /// A failure that may succeed on a later attempt (the default for `?`).
+    pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        HandlerError {
+            kind: Kind::Transient { retry_after: None },
+            reason: DeadLetterReason::AttemptsExhausted,
+            source: source.into(),
+        }
+    }
+
+    /// A failure no retry can fix: the message is dead-lettered with reason `permanent_error`.
+    pub fn permanent(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        HandlerError {
+            kind: Kind::Permanent,
+            reason: DeadLetterReason::Permanent,
+            source: source.into(),
+        }
+    }
+
+    /// A payload that cannot be decoded: permanent, reason `undecodable`.
+    pub fn undecodable(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        HandlerError {
+            kind: Kind::Permanent,
+            reason: DeadLetterReason::Undecodable,
+            source: source.into(),
+        }
+    }
+
+    /// Asks for the next attempt no sooner than `delay` (for example a rate limit's
+    /// `Retry-After`). Makes the error transient.
+    pub fn retry_after(mut self, delay: Duration) -> Self {
+        self.kind = Kind::Transient {
+            retry_after: Some(delay),
+        };
+        self.reason = DeadLetterReason::AttemptsExhausted;
+        self
+    }
+
+    /// Whether the error is permanent.
+    pub fn is_permanent(&self) -> bool {
+        self.kind == Kind::Permanent
+    }
+
+    /// The delay the handler asked for, if any.
+    pub fn requested_delay(&self) -> Option<Duration> {
+        match self.kind {
+            Kind::Transient { retry_after } => retry_after,
+            Kind::Permanent => None,
+        }
+    }
+
+    pub(crate) fn reason(&self) -> DeadLetterReason {
+        self.reason
+    }
+}
+
+impl<E> From<E> for HandlerError
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    fn from(e: E) -> Self {
+        HandlerError::transient(e)
+    }
+}
+
+impl fmt::Debug for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandlerError")
+            .field("kind", &self.kind)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.source, f)
+    }
+}

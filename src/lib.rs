@@ -1,0 +1,79 @@
+//! **txinbox: the inbox row and the handler's effects commit in one database transaction, and the
+//! broker is acknowledged only after that commit — at-least-once delivery becomes
+//! effectively-once effects.**
+//!
+//! For each delivered message a [`Consumer`] derives the message's ID, opens a transaction,
+//! inserts `(consumer, message ID)` into the inbox table, runs your [`Handler`] on the same
+//! transaction, commits, and only then settles the delivery with the broker. A redelivered
+//! message finds its ID in the inbox and is acknowledged without running the handler.
+//!
+//! | situation | inbox | broker |
+//! |---|---|---|
+//! | handler `Ok` | row committed with the effects | ack |
+//! | duplicate (same ID, same payload fingerprint) | unchanged | ack, counted |
+//! | conflict (same ID, other payload) | unchanged, dead letter recorded | dead-letter, counted |
+//! | transient error, attempts left | rolled back, attempt counted apart | retry after backoff |
+//! | permanent error, attempts exhausted, undecodable, no ID, too large | rolled back, dead letter recorded | dead-letter |
+//! | handler panics | rolled back | treated as transient |
+//! | commit ok, ack lost | committed | none: the redelivery is a duplicate |
+//! | COMMIT outcome unknown | unknown | none: the redelivery or the next attempt decides |
+//! | process killed anywhere | open transaction rolled back by PostgreSQL | none: redelivery |
+//! | database unreachable | nothing written | nothing acked; intake pauses, resumes by itself |
+//!
+//! # Pieces
+//!
+//! - [`MessageSource`] / [`Delivery`]: what a broker adapter implements (`txinbox-kafka`,
+//!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
+//! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction.
+//! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`, default).
+//! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
+//!
+//! # Features
+//!
+//! | feature | default | what |
+//! |---|---|---|
+//! | `postgres` | yes | [`PostgresInbox`], [`migrate`] |
+//! | `memory` | no | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
+//!
+//! # Observability
+//!
+//! Each message runs in a `txinbox.process` span carrying OpenTelemetry messaging attributes
+//! (`messaging.system`, `messaging.destination.name`, `messaging.message.id`,
+//! `messaging.consumer.group.name`, partition and offset where known) plus `txinbox.attempt` and
+//! `txinbox.outcome`. Metrics go through the `metrics` facade; see [`telemetry`] for names. The
+//! library never installs a subscriber, recorder or exporter.
+
+mod consumer;
+mod error;
+mod handler;
+mod message;
+mod retry;
+mod source;
+mod store;
+pub mod telemetry;
+
+#[cfg(feature = "memory")]
+pub mod memory;
+
+pub use consumer::{
+    Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
+};
+pub use error::Error;
+pub use handler::{Context, Handler, HandlerError};
+pub use message::{Fingerprint, Headers, IdStrategy, Message, MessageId, MissingId, Origin, MAX_ID_LEN};
+pub use retry::RetryPolicy;
+pub use source::{
+    Capabilities, DeadLetter, DeadLetterReason, Delivery, Lane, MessageSource, Position, RetryMode,
+    SettleError, Settlement, SourceError,
+};
+pub use store::{
+    Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+    MAX_ERROR_LEN,
+};
+
+#[cfg(feature = "postgres")]
+pub use store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+
+/// Re-exported so handlers and adapters use the same versions as txinbox.
+pub use async_trait::async_trait;
+pub use sqlx;

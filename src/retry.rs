@@ -1,0 +1,123 @@
+//! [`RetryPolicy`]: how often and how late a transiently failing message is tried again.
+
+use std::time::Duration;
+
+/// Exponential backoff with full jitter and a cap on attempts.
+///
+/// Attempt `n` (1-based) that fails transiently is retried after a random delay in
+/// `[0, min(max_delay, initial_delay * 2^(n-1))]`, unless `n == max_attempts`, in which case the
+/// message is dead-lettered with reason `attempts_exhausted`. A handler's own
+/// [`retry_after`](crate::HandlerError::retry_after) is honoured as a lower bound.
+///
+/// Defaults: 10 attempts, 200 ms initial delay, 60 s maximum delay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    max_attempts: u32,
+    initial_delay: Duration,
+    max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 10,
+            initial_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Total attempts, the first included, before a message is dead-lettered. At least 1.
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Upper bound of the first retry's delay.
+    pub fn initial_delay(mut self, d: Duration) -> Self {
+        self.initial_delay = d;
+        self
+    }
+
+    /// Upper bound of any retry's delay.
+    pub fn max_delay(mut self, d: Duration) -> Self {
+        self.max_delay = d;
+        self
+    }
+
+    /// Whether attempt number `attempt` (1-based) was the last one allowed.
+    pub fn exhausted(&self, attempt: u32) -> bool {
+        attempt >= self.max_attempts
+    }
+
+    /// Delay before the attempt after `attempt`, given the handler's requested minimum.
+    pub fn delay(&self, attempt: u32, requested: Option<Duration>) -> Duration {
+        let ceiling = backoff_ceiling(self.initial_delay, self.max_delay, attempt);
+        let jittered = ceiling.mul_f64(fastrand::f64());
+        requested.map_or(jittered, |r| r.max(jittered))
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        if self.max_attempts == 0 {
+            return Err("RetryPolicy::max_attempts must be at least 1 (the first attempt counts)".into());
+        }
+        if self.initial_delay > self.max_delay {
+            return Err(format!(
+                "RetryPolicy::initial_delay ({:?}) is above max_delay ({:?})",
+                self.initial_delay, self.max_delay
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `min(max, initial * 2^(attempt-1))` without overflow.
+pub(crate) fn backoff_ceiling(initial: Duration, max: Duration, attempt: u32) -> Duration {
+    let shift = attempt.saturating_sub(1).min(30);
+    initial.saturating_mul(1u32 << shift).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_grow_are_capped_and_jittered_below_the_ceiling() {
+        let p = RetryPolicy::default()
+            .initial_delay(Duration::from_millis(100))
+            .max_delay(Duration::from_secs(1));
+        assert_eq!(
+            backoff_ceiling(p.initial_delay, p.max_delay, 1),
+            Duration::from_millis(100)
+        );
+        assert_eq!(
+            backoff_ceiling(p.initial_delay, p.max_delay, 3),
+            Duration::from_millis(400)
+        );
+        assert_eq!(
+            backoff_ceiling(p.initial_delay, p.max_delay, 90),
+            Duration::from_secs(1)
+        );
+        let delays: Vec<_> = (0..200).map(|_| p.delay(3, None)).collect();
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(400)));
+        assert!(
+            delays.iter().any(|d| *d != delays[0]),
+            "jitter must vary the delay"
+        );
+        assert!(p.delay(1, Some(Duration::from_secs(5))) >= Duration::from_secs(5));
+    }
+
+    #[test]
+    fn exhaustion_and_validation() {
+        let p = RetryPolicy::default().max_attempts(3);
+        assert!(!p.exhausted(2));
+        assert!(p.exhausted(3));
+        assert!(RetryPolicy::default().max_attempts(0).validate().is_err());
+        assert!(RetryPolicy::default()
+            .initial_delay(Duration::from_secs(9))
+            .max_delay(Duration::from_secs(1))
+            .validate()
+            .is_err());
+    }
+}

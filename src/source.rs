@@ -1,0 +1,252 @@
+//! The contract between the runtime and a broker adapter.
+//!
+//! An adapter implements [`MessageSource`] (pull the next delivery) and [`Delivery`] (one message
+//! plus the means to settle it). The runtime decides *how* each delivery ends; the adapter only
+//! knows how to carry that out on its broker.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::message::{IdStrategy, Message};
+
+/// A stream of deliveries from one broker subscription (a Kafka consumer, an AMQP queue
+/// consumer, an in-memory queue).
+///
+/// # Contract
+///
+/// - [`receive`](MessageSource::receive) is **cancellation safe**: if its future is dropped
+///   before it completes, no delivery is lost; it will be returned by a later call. The runtime
+///   drops it on shutdown.
+/// - Deliveries are independent of the source once returned: they are settled from other tasks,
+///   concurrently with further `receive` calls, and may outlive the `&mut self` borrow.
+/// - A source never acknowledges anything by itself. Only [`Delivery::settle`] does.
+#[async_trait]
+pub trait MessageSource: Send + 'static {
+    /// One received message and its settlement handle.
+    type Delivery: Delivery;
+
+    /// Waits for the next delivery. `Ok(None)` means the source is finished (closed or
+    /// drained) and the consumer should shut down.
+    ///
+    /// Errors marked [transient](SourceError::is_transient) make the runtime back off and call
+    /// again; any other error stops the consumer.
+    async fn receive(&mut self) -> Result<Option<Self::Delivery>, SourceError>;
+
+    /// What the broker can do natively. Read once, when the consumer is built.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Releases the subscription after the runtime has drained and settled every delivery:
+    /// flush offsets, cancel the consumer, close channels. Called exactly once, at shutdown.
+    async fn close(self) -> Result<(), SourceError>
+    where
+        Self: Sized;
+}
+
+/// One received message and the right to settle it.
+///
+/// # Contract
+///
+/// - Settling consumes the delivery, so it can be settled at most once.
+/// - A delivery **dropped without being settled** (shutdown, a crashed task) is *not
+///   acknowledged*: the broker redelivers it (AMQP requeues when the channel closes, a Kafka
+///   offset is not stored) and the inbox turns the redelivery into a duplicate if its effects
+///   had committed.
+/// - `settle` is not cancellation safe: if its future is dropped, the settlement may or may not
+///   have reached the broker. Either outcome is safe because the runtime only settles after the
+///   database transaction has ended.
+#[async_trait]
+pub trait Delivery: Send + Sync + 'static {
+    /// The message.
+    fn message(&self) -> &Message;
+
+    /// The ordering lane: deliveries of one lane are processed one at a time in receive order;
+    /// different lanes run concurrently.
+    fn lane(&self) -> Lane;
+
+    /// The source position this delivery stands for, if the broker has positions (Kafka
+    /// offsets). The runtime stores [`Position::next`] in the same transaction as the
+    /// message's effects.
+    fn position(&self) -> Option<Position> {
+        None
+    }
+
+    /// Ends the delivery on the broker.
+    ///
+    /// An error means the settlement did not (or may not) reach the broker; the broker will
+    /// redeliver and the inbox will deduplicate. The runtime logs and counts it.
+    async fn settle(self, settlement: Settlement) -> Result<(), SettleError>;
+}
+
+/// How a delivery ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settlement {
+    /// Done: acknowledge (AMQP ack, Kafka offset stored).
+    Ack,
+    /// Deliver again after `after`. Only given to sources whose [`RetryMode`] is
+    /// [`Redeliver`](RetryMode::Redeliver); the attempt is already counted in the inbox.
+    Retry {
+        /// How long to wait before redelivery.
+        after: Duration,
+    },
+    /// Move to the broker's dead-letter destination, then acknowledge. The dead letter is
+    /// already recorded durably in the inbox database when this is given.
+    DeadLetter(DeadLetter),
+}
+
+/// Why and how a message was dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Machine-readable reason.
+    pub reason: DeadLetterReason,
+    /// Human-readable error, truncated.
+    pub error: String,
+}
+
+/// Machine-readable dead-letter reasons. [`as_str`](DeadLetterReason::as_str) is what goes into
+/// the database and the broker's dead-letter headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeadLetterReason {
+    /// The handler returned a permanent error.
+    Permanent,
+    /// The handler failed transiently more often than the retry policy allows.
+    AttemptsExhausted,
+    /// The payload could not be decoded.
+    Undecodable,
+    /// The same message ID arrived with a different payload fingerprint.
+    Conflict,
+    /// No message ID could be derived under the configured strategy.
+    MissingId,
+    /// The derived message ID cannot be stored (too long, or contains NUL).
+    InvalidId,
+    /// Payload plus headers exceed the configured size limit.
+    TooLarge,
+}
+
+impl DeadLetterReason {
+    /// The reason as stored and sent: `permanent_error`, `attempts_exhausted`, `undecodable`,
+    /// `conflict`, `missing_id`, `invalid_id`, `too_large`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::Permanent => "permanent_error",
+            DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
+            DeadLetterReason::Undecodable => "undecodable",
+            DeadLetterReason::Conflict => "conflict",
+            DeadLetterReason::MissingId => "missing_id",
+            DeadLetterReason::InvalidId => "invalid_id",
+            DeadLetterReason::TooLarge => "too_large",
+        }
+    }
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The ordering lane of a delivery.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Lane {
+    /// No ordering: processed concurrently with everything else (AMQP competing consumers).
+    Unordered,
+    /// Processed in receive order with every other delivery of the same key (a Kafka
+    /// topic-partition, or a key inside it).
+    Ordered(Arc<str>),
+}
+
+/// A position in the source, stored with the effects so a restart or a database restore resumes
+/// exactly where the database's state ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Position {
+    /// The stream, e.g. the Kafka topic.
+    pub source: Arc<str>,
+    /// The part of the stream, e.g. the partition number.
+    pub lane: Arc<str>,
+    /// The next position to read once this delivery is done (Kafka: offset + 1).
+    pub next: i64,
+}
+
+/// What the broker can do natively.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `messaging.system` for telemetry: `kafka`, `rabbitmq`, `memory`.
+    pub system: &'static str,
+    /// How transient failures are retried.
+    pub retry: RetryMode,
+    /// The ID strategy used when the consumer does not configure one.
+    pub default_id_strategy: IdStrategy,
+}
+
+/// How a source retries a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryMode {
+    /// The broker can redeliver later ([`Settlement::Retry`]): AMQP retry queues, the in-memory
+    /// source. The lane moves on meanwhile.
+    Redeliver,
+    /// The broker cannot (Kafka): the runtime keeps the delivery and re-runs it in place after
+    /// the backoff, holding its lane so order is kept.
+    InPlace,
+}
+
+/// A failure to receive from the broker.
+#[derive(Debug)]
+pub struct SourceError {
+    transient: bool,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl SourceError {
+    /// A failure that may go away (connection lost, broker restarting): the runtime backs off
+    /// and calls `receive` again.
+    pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        SourceError {
+            transient: true,
+            source: source.into(),
+        }
+    }
+
+    /// A failure that will not go away (bad credentials, unknown queue): the consumer stops.
+    pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        SourceError {
+            transient: false,
+            source: source.into(),
+        }
+    }
+
+    /// Whether the runtime should retry.
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
+}
+
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.transient { "transient" } else { "fatal" };
+        write!(f, "{kind} source error: {}", self.source)
+    }
+}
+
+impl std::error::Error for SourceError {}
+
+/// A settlement that did not (or may not) reach the broker.
+#[derive(Debug)]
+pub struct SettleError(Box<dyn std::error::Error + Send + Sync>);
+
+impl SettleError {
+    /// Wraps the adapter's error.
+    pub fn new(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        SettleError(source.into())
+    }
+}
+
+impl fmt::Display for SettleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "settlement not confirmed: {}", self.0)
+    }
+}
+
+impl std::error::Error for SettleError {}

@@ -1,0 +1,230 @@
+//! The inbox store: where message IDs, attempts, dead letters and source positions live.
+//!
+//! [`InboxStore`] is what the runtime needs from a database. [`PostgresInbox`] implements it
+//! (feature `postgres`, on by default).
+
+use std::fmt;
+
+use async_trait::async_trait;
+
+use crate::message::{Message, MessageId, Origin};
+use crate::source::{DeadLetterReason, Position};
+
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
+
+/// Longest error text stored, in bytes; longer texts are cut at a character boundary.
+pub const MAX_ERROR_LEN: usize = 2048;
+
+/// The connection type of a store's database.
+pub type Connection<S> = <<S as InboxStore>::Db as sqlx::Database>::Connection;
+
+/// A database that can hold an inbox.
+///
+/// # Contract
+///
+/// - [`claim`](InboxStore::claim) is the deduplication decision. It must be one atomic
+///   statement (insert-or-claim with the key's unique index), the first of its transaction, in
+///   READ COMMITTED. A concurrent claim of the same key blocks on the index until the first
+///   transaction ends, then sees its outcome. Never check-then-insert.
+/// - [`record_failure`](InboxStore::record_failure) and
+///   [`dead_letter`](InboxStore::dead_letter) run in their own short transactions, after the
+///   message's transaction has rolled back.
+/// - No method is wrapped in a timeout or a cancellable `select!` by the runtime; an
+///   implementation must not need one to make progress either (use server-side timeouts).
+#[async_trait]
+pub trait InboxStore: Send + Sync + 'static {
+    /// The sqlx database; handlers receive its connection.
+    type Db: sqlx::Database;
+
+    /// Opens the message's transaction.
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, Self::Db>, StoreError>;
+
+    /// Commits the message's transaction. An error means the outcome is unknown: the runtime
+    /// never acknowledges such a message; its next trip goes through [`claim`](Self::claim).
+    async fn commit(&self, tx: sqlx::Transaction<'static, Self::Db>) -> Result<(), StoreError>;
+
+    /// Inserts the inbox row for `entry` as processed, or claims a row left `retrying` by an
+    /// earlier failed attempt with the same fingerprint. Otherwise reports a duplicate or a
+    /// conflict and changes nothing.
+    async fn claim(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<Claim, StoreError>;
+
+    /// Stores `position.next` as the consumer's next position for the position's lane.
+    async fn save_position(
+        &self,
+        conn: &mut Connection<Self>,
+        consumer: &str,
+        position: &Position,
+    ) -> Result<(), StoreError>;
+
+    /// Counts a failed attempt and keeps its error, in its own transaction. Returns the number of
+    /// attempts now recorded, or `None` if the key has meanwhile become terminal (another
+    /// consumer processed or dead-lettered it).
+    async fn record_failure(&self, entry: &Entry<'_>, error: &str) -> Result<Option<u32>, StoreError>;
+
+    /// Records a dead letter in its own transaction: the original message, reason and error;
+    /// marks the inbox row `dead_lettered` when the message has a usable ID and is not a
+    /// conflict; saves the position.
+    async fn dead_letter(&self, record: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError>;
+
+    /// The pool's connection limit, so the consumer can refuse a concurrency the pool cannot
+    /// serve. `None` if unknown.
+    fn max_connections(&self) -> Option<u32> {
+        None
+    }
+}
+
+/// The inbox key and what is stored with it.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry<'a> {
+    /// Consumer name (first half of the key).
+    pub consumer: &'a str,
+    /// Message ID (second half of the key) and the strategy that derived it.
+    pub id: &'a MessageId,
+    /// SHA-256 fingerprint of the payload.
+    pub fingerprint: &'a [u8; 32],
+    /// Source coordinates, kept for operators.
+    pub origin: &'a Origin,
+}
+
+/// The outcome of [`InboxStore::claim`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// The key is ours for this transaction; `attempt` counts earlier failed attempts + 1.
+    New {
+        /// 1-based attempt number.
+        attempt: u32,
+    },
+    /// Already processed or dead-lettered, with the same fingerprint.
+    Duplicate(InboxStatus),
+    /// The key exists with a different fingerprint.
+    Conflict,
+}
+
+/// The state of an inbox row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxStatus {
+    /// Effects committed.
+    Processed,
+    /// Failed transiently; will be claimed again by the next attempt.
+    Retrying,
+    /// Dead-lettered; a redelivery is acknowledged as a duplicate.
+    DeadLettered,
+}
+
+impl InboxStatus {
+    /// The status as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InboxStatus::Processed => "processed",
+            InboxStatus::Retrying => "retrying",
+            InboxStatus::DeadLettered => "dead_lettered",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "processed" => Some(InboxStatus::Processed),
+            "retrying" => Some(InboxStatus::Retrying),
+            "dead_lettered" => Some(InboxStatus::DeadLettered),
+            _ => None,
+        }
+    }
+}
+
+/// Everything [`InboxStore::dead_letter`] records.
+#[derive(Debug)]
+pub struct DeadLetterRecord<'a> {
+    /// Consumer name.
+    pub consumer: &'a str,
+    /// The inbox entry, when the message has a usable ID.
+    pub entry: Option<Entry<'a>>,
+    /// The original message: payload and headers are stored as received.
+    pub message: &'a Message,
+    /// Why.
+    pub reason: DeadLetterReason,
+    /// The error, already truncated.
+    pub error: &'a str,
+    /// Attempts made (0 when the handler never ran).
+    pub attempts: u32,
+    /// Position to save with the record.
+    pub position: Option<&'a Position>,
+}
+
+/// The outcome of [`InboxStore::dead_letter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterOutcome {
+    /// Recorded.
+    Recorded,
+    /// Nothing recorded: another consumer processed the key meanwhile, so this delivery is a
+    /// duplicate.
+    AlreadyProcessed,
+}
+
+/// A database failure, classified.
+#[derive(Debug)]
+pub struct StoreError {
+    transient: bool,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl StoreError {
+    /// A failure that may go away: connection lost, server restarting, serialization failure,
+    /// deadlock, lock or statement timeout, pool exhausted.
+    pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError {
+            transient: true,
+            source: source.into(),
+        }
+    }
+
+    /// A failure that will not go away by itself (missing table, permission denied): the
+    /// consumer stops and reports it.
+    pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError {
+            transient: false,
+            source: source.into(),
+        }
+    }
+
+    /// Whether the runtime should back off and retry.
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.transient {
+            write!(f, "inbox database unavailable (will retry): {}", self.source)
+        } else {
+            write!(f, "inbox database error: {}", self.source)
+        }
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+/// Cuts `s` to at most [`MAX_ERROR_LEN`] bytes at a character boundary and drops NUL
+/// characters, which PostgreSQL text cannot hold.
+pub(crate) fn clean_text(s: &str) -> String {
+    let mut end = s.len().min(MAX_ERROR_LEN);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].replace('\0', "")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clean_text_truncates_on_char_boundaries_and_drops_nul() {
+        let long = "é".repeat(MAX_ERROR_LEN); // 2 bytes each
+        let cut = clean_text(&long);
+        assert!(cut.len() <= MAX_ERROR_LEN);
+        assert!(cut.chars().all(|c| c == 'é'));
+        assert_eq!(clean_text("a\0b"), "ab");
+    }
+}

@@ -1,0 +1,336 @@
+//! [`PostgresInbox`]: the inbox in PostgreSQL, and [`migrate`].
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::{Postgres, Transaction};
+
+use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError};
+use crate::message::Headers;
+use crate::source::Position;
+
+/// The schema that holds txinbox's tables and its migration ledger.
+pub const SCHEMA: &str = "txinbox";
+
+/// The embedded migrations, with their ledger in `txinbox._sqlx_migrations`.
+///
+/// Prefer [`migrate`]. This is public for `#[sqlx::test(migrator = ...)]`-style use and for
+/// teams that copy `migrations/postgres/*.sql` into their own migration tool instead.
+pub fn migrator() -> sqlx::migrate::Migrator {
+    let mut m = sqlx::migrate!("./migrations/postgres");
+    m.create_schema(SCHEMA);
+    m.dangerous_set_table_name("txinbox._sqlx_migrations");
+    m
+}
+
+/// Applies txinbox's migrations to the database behind `pool`.
+///
+/// Idempotent, safe to run from several processes at once (sqlx takes an advisory lock), and
+/// independent of the application's own sqlx migrations: the ledger is
+/// `txinbox._sqlx_migrations`, never `public._sqlx_migrations`.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    migrator().run(pool).await
+}
+
+/// The inbox in PostgreSQL.
+///
+/// Build it on your application's pool with [`PostgresInbox::new`], or let
+/// [`PostgresInbox::connect`] build a pool with the recommended server-side timeouts.
+#[derive(Debug, Clone)]
+pub struct PostgresInbox {
+    pool: PgPool,
+}
+
+impl PostgresInbox {
+    /// An inbox on an existing pool. Run [`migrate`] once before consuming.
+    ///
+    /// The pool should set `idle_in_transaction_session_timeout` (see
+    /// [`PostgresInbox::connect_options`]): a session stuck in a transaction is then ended by
+    /// the server, which is the only safe timeout for a transaction.
+    pub fn new(pool: PgPool) -> Self {
+        PostgresInbox { pool }
+    }
+
+    /// Connects with [`connect_options`](Self::connect_options) applied to `url` and a pool of
+    /// `max_connections`. The URL never appears in errors or logs.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let options: PgConnectOptions = url.parse().map_err(|_| {
+            StoreError::fatal("the PostgreSQL connection string does not parse; expected postgres://user@host:port/database")
+        })?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(Self::connect_options(options))
+            .await
+            .map_err(classify)?;
+        Ok(PostgresInbox { pool })
+    }
+
+    /// Adds the server-side safety nets txinbox relies on instead of client-side timeouts:
+    /// `idle_in_transaction_session_timeout = 60s` (a stuck transaction is ended by the server)
+    /// and `lock_timeout = 30s` (a duplicate never waits forever behind a stuck first delivery).
+    pub fn connect_options(options: PgConnectOptions) -> PgConnectOptions {
+        options.options([
+            ("idle_in_transaction_session_timeout", "60s"),
+            ("lock_timeout", "30s"),
+        ])
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+const CLAIM: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
+     source_system, destination, source_partition, source_offset)
+VALUES ($1, $2, $3, $4, 'processed', 1, now(), $5, $6, $7, $8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
+RETURNING i.attempts";
+
+const RECORD_FAILURE: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, last_error,
+     source_system, destination, source_partition, source_offset)
+VALUES ($1, $2, $3, $4, 'retrying', 1, $9, $5, $6, $7, $8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET attempts = i.attempts + 1, last_error = EXCLUDED.last_error
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
+RETURNING i.attempts";
+
+const MARK_DEAD: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, last_error, processed_at,
+     source_system, destination, source_partition, source_offset)
+VALUES ($1, $2, $3, $4, 'dead_lettered', $10, $9, now(), $5, $6, $7, $8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'dead_lettered', attempts = EXCLUDED.attempts,
+        last_error = EXCLUDED.last_error, processed_at = now()
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint";
+
+const INSERT_DEAD_LETTER: &str = "\
+INSERT INTO txinbox.dead_letters
+    (consumer, message_id, id_strategy, fingerprint, reason, error, attempts, payload, headers,
+     source_system, destination, source_partition, source_offset)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+
+const SAVE_POSITION: &str = "\
+INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (consumer, source, lane) DO UPDATE
+    SET next_position = EXCLUDED.next_position, updated_at = now()";
+
+/// Binds an [`Entry`] as `$1`..`$8` (consumer, ID, strategy, fingerprint, system,
+/// destination, partition, offset).
+macro_rules! bind_entry {
+    ($q:expr, $e:expr) => {{
+        let e: &Entry<'_> = $e;
+        $q.bind(e.consumer)
+            .bind(e.id.as_str())
+            .bind(e.id.strategy())
+            .bind(&e.fingerprint[..])
+            .bind(e.origin.system)
+            .bind(&*e.origin.destination)
+            .bind(e.origin.partition)
+            .bind(e.origin.offset)
+    }};
+}
+
+#[async_trait]
+impl InboxStore for PostgresInbox {
+    type Db = Postgres;
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
+        self.pool.begin().await.map_err(classify)
+    }
+
+    async fn commit(&self, tx: Transaction<'static, Postgres>) -> Result<(), StoreError> {
+        tx.commit().await.map_err(classify)
+    }
+
+    async fn claim(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<Claim, StoreError> {
+        // NOTE: one statement decides. A concurrent claim of the same key blocks on the primary
+        // key until the first transaction ends; in READ COMMITTED it then sees the committed row
+        // (no update, no row returned) or, after a rollback, inserts.
+        let attempts: Option<i32> = bind_entry!(sqlx::query_scalar(CLAIM), entry)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(classify)?;
+        if let Some(attempt) = attempts {
+            return Ok(Claim::New {
+                attempt: attempt as u32,
+            });
+        }
+        // Not claimed: the row exists, terminal or with another fingerprint. This read runs with
+        // a new snapshot, so it sees the row that blocked the insert.
+        let row: Option<(String, Vec<u8>)> = sqlx::query_as(
+            "SELECT status, fingerprint FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2",
+        )
+        .bind(entry.consumer)
+        .bind(entry.id.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(classify)?;
+        match row {
+            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Claim::Conflict),
+            Some((status, _)) => Ok(Claim::Duplicate(
+                InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
+            )),
+            // The row was purged between the two statements: retry the claim from scratch.
+            None => Err(StoreError::transient(
+                "inbox row vanished during claim (concurrent purge)",
+            )),
+        }
+    }
+
+    async fn save_position(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(SAVE_POSITION)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn record_failure(&self, entry: &Entry<'_>, error: &str) -> Result<Option<u32>, StoreError> {
+        let attempts: Option<i32> = bind_entry!(sqlx::query_scalar(RECORD_FAILURE), entry)
+            .bind(error)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(attempts.map(|a| a as u32))
+    }
+
+    async fn dead_letter(&self, r: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(classify)?;
+        if let Some(entry) = &r.entry {
+            if r.reason != crate::source::DeadLetterReason::Conflict {
+                let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
+                    .bind(r.error)
+                    .bind(r.attempts as i32)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                if marked.rows_affected() == 0 {
+                    // Processed (or dead-lettered) by another consumer since our attempt began.
+                    tx.rollback().await.map_err(classify)?;
+                    return Ok(DeadLetterOutcome::AlreadyProcessed);
+                }
+            }
+        }
+        let m = r.message;
+        let o = m.origin();
+        sqlx::query(INSERT_DEAD_LETTER)
+            .bind(r.consumer)
+            .bind(r.entry.as_ref().map(|e| e.id.as_str()))
+            .bind(r.entry.as_ref().map(|e| e.id.strategy()))
+            .bind(r.entry.as_ref().map(|e| &e.fingerprint[..]))
+            .bind(r.reason.as_str())
+            .bind(r.error)
+            .bind(r.attempts as i32)
+            .bind(&m.payload()[..])
+            .bind(headers_json(m.headers()))
+            .bind(o.system)
+            .bind(&*o.destination)
+            .bind(o.partition)
+            .bind(o.offset)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        if let Some(p) = r.position {
+            self.save_position(&mut *tx, r.consumer, p).await?;
+        }
+        tx.commit().await.map_err(classify)?;
+        Ok(DeadLetterOutcome::Recorded)
+    }
+
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+}
+
+/// Headers as a JSON array of `{"name": .., "value": ..}`. A name or value that is not valid
+/// UTF-8, or contains NUL (which `jsonb` rejects), is stored hex-encoded under `name_hex` /
+/// `value_hex` instead, so nothing is lost.
+fn headers_json(headers: &Headers) -> serde_json::Value {
+    fn field(obj: &mut serde_json::Map<String, serde_json::Value>, key: &str, bytes: &[u8]) {
+        match std::str::from_utf8(bytes) {
+            Ok(s) if !s.contains('\0') => {
+                obj.insert(key.into(), s.into());
+            }
+            _ => {
+                obj.insert(format!("{key}_hex"), crate::message::hex(bytes).into());
+            }
+        }
+    }
+    headers
+        .iter()
+        .map(|(name, value)| {
+            let mut obj = serde_json::Map::new();
+            field(&mut obj, "name", name.as_bytes());
+            field(&mut obj, "value", value);
+            serde_json::Value::Object(obj)
+        })
+        .collect()
+}
+
+/// Sorts sqlx errors into transient (back off and retry) and fatal (stop and report).
+pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    let transient = match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            matches!(
+                &*code,
+                "40001" // serialization_failure
+                | "40P01" // deadlock_detected
+                | "55P03" // lock_not_available (lock_timeout)
+                | "57014" // query_canceled (statement_timeout)
+                | "53300" // too_many_connections
+                | "25P03" // idle_in_transaction_session_timeout
+            ) || code.starts_with("08") // connection exceptions
+                || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
+        }),
+        _ => false,
+    };
+    if transient {
+        StoreError::transient(e)
+    } else {
+        StoreError::fatal(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_that_are_not_clean_utf8_are_kept_as_hex() {
+        let h = Headers::new()
+            .with("ce_id", "abc")
+            .with("bin", &b"\xff\x00"[..])
+            .with("nul", "a\0b");
+        let j = headers_json(&h);
+        assert_eq!(j[0]["value"], "abc");
+        assert_eq!(j[1]["value_hex"], "ff00");
+        assert_eq!(j[2]["value_hex"], "610062");
+        assert!(j[1].get("value").is_none());
+    }
+}

@@ -1,0 +1,62 @@
+//! Metric names. Everything goes through the `metrics` facade; txinbox never installs a
+//! recorder or exporter, and never a tracing subscriber. Every metric carries a `consumer` label.
+//!
+//! | metric | kind | meaning |
+//! |---|---|---|
+//! | `txinbox_processed_total` | counter | handler ran and its transaction committed |
+//! | `txinbox_duplicates_total` | counter | ID already in the inbox with the same fingerprint: acked, handler not run |
+//! | `txinbox_conflicts_total` | counter | ID already in the inbox with another fingerprint: dead-lettered |
+//! | `txinbox_retries_total` | counter | transient failure, attempt counted, retry scheduled |
+//! | `txinbox_dead_letters_total` | counter | dead-lettered; label `reason` |
+//! | `txinbox_ack_failures_total` | counter | the settlement after a finished transaction did not reach the broker (redelivery will be a duplicate) |
+//! | `txinbox_store_errors_total` | counter | the inbox database was unavailable; intake pauses |
+//! | `txinbox_handler_duration_seconds` | histogram | time in the handler |
+//! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT |
+//! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
+
+/// Counter: messages whose effects committed.
+pub const PROCESSED: &str = "txinbox_processed_total";
+/// Counter: duplicates acknowledged without running the handler.
+pub const DUPLICATES: &str = "txinbox_duplicates_total";
+/// Counter: same ID, different payload.
+pub const CONFLICTS: &str = "txinbox_conflicts_total";
+/// Counter: retries scheduled after a transient failure.
+pub const RETRIES: &str = "txinbox_retries_total";
+/// Counter: dead letters, by `reason`.
+pub const DEAD_LETTERS: &str = "txinbox_dead_letters_total";
+/// Counter: settlements after commit that did not reach the broker.
+pub const ACK_FAILURES: &str = "txinbox_ack_failures_total";
+/// Counter: inbox database unavailable.
+pub const STORE_ERRORS: &str = "txinbox_store_errors_total";
+/// Histogram: handler time in seconds.
+pub const HANDLER_DURATION: &str = "txinbox_handler_duration_seconds";
+/// Histogram: COMMIT time in seconds.
+pub const COMMIT_DURATION: &str = "txinbox_commit_duration_seconds";
+/// Gauge: deliveries in flight.
+pub const IN_FLIGHT: &str = "txinbox_in_flight";
+
+pub(crate) fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        PROCESSED,
+        "Messages whose handler ran and whose transaction committed"
+    );
+    describe_counter!(
+        DUPLICATES,
+        "Duplicate deliveries acknowledged without running the handler"
+    );
+    describe_counter!(
+        CONFLICTS,
+        "Deliveries whose ID was seen with a different payload fingerprint"
+    );
+    describe_counter!(RETRIES, "Transient failures scheduled for another attempt");
+    describe_counter!(DEAD_LETTERS, "Messages dead-lettered, by reason");
+    describe_counter!(
+        ACK_FAILURES,
+        "Settlements after commit that did not reach the broker"
+    );
+    describe_counter!(STORE_ERRORS, "Inbox database unavailable; intake paused");
+    describe_histogram!(HANDLER_DURATION, Unit::Seconds, "Time spent in the handler");
+    describe_histogram!(COMMIT_DURATION, Unit::Seconds, "Time spent in COMMIT");
+    describe_gauge!(IN_FLIGHT, "Deliveries received and not yet settled");
+}
