@@ -1,0 +1,696 @@
+//! The runtime against a real PostgreSQL: races, failures, crashes, outages, ordering,
+//! migrations and metrics. Needs `DATABASE_URL` (a role that may create databases);
+//! `scripts/test` provides it.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, DeadLetterReason, Error, HandlerError, Headers, IdStrategy, RetryPolicy};
+
+use support::{deposit, DepositHandler, PrivateCluster, TestDb};
+
+fn fast_retries() -> RetryPolicy {
+    RetryPolicy::default()
+        .initial_delay(Duration::from_millis(5))
+        .max_delay(Duration::from_millis(20))
+}
+
+/// Runs a consumer on `broker` until the broker is drained (the broker must be closed).
+async fn drain(name: &str, db: &TestDb, broker: &MemoryBroker, handler: DepositHandler) {
+    Consumer::builder(name)
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler)
+        .retry_policy(fast_retries())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_concurrent_deliveries_of_one_id_apply_once() {
+    let db = TestDb::new(30).await;
+    // The handler keeps its transaction open, so all 20 claims overlap: without the unique-index
+    // serialisation each of them would apply the deposit.
+    let handler = DepositHandler::default().holding(Duration::from_millis(300));
+    let brokers: Vec<MemoryBroker> = (0..20)
+        .map(|_| {
+            let b = MemoryBroker::new("payments");
+            b.publish("evt-1", deposit("alice", 10, "-", 0));
+            b.close();
+            b
+        })
+        .collect();
+    let runs = brokers.iter().map(|b| {
+        let consumer = Consumer::builder("payments")
+            .source(b.source())
+            .inbox(db.inbox())
+            .handler(handler.clone())
+            .concurrency(1)
+            .build()
+            .unwrap();
+        tokio::spawn(consumer.run())
+    });
+    for run in futures::future::join_all(runs).await {
+        run.unwrap().unwrap();
+    }
+    assert_eq!(
+        db.balance("alice").await,
+        10,
+        "the deposit is applied exactly once"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 1);
+    let acked: u64 = brokers.iter().map(|b| b.stats().acked).sum();
+    assert_eq!(acked, 20, "every delivery is settled with an ack");
+    assert_eq!(handler.calls(), 1, "duplicates never run the handler");
+}
+
+#[tokio::test]
+async fn same_id_with_another_payload_is_a_conflict_and_dead_lettered() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish_in_lane("l", "evt-1", deposit("alice", 10, "l", 0));
+    broker.publish_in_lane("l", "evt-1", deposit("alice", 99, "l", 1));
+    broker.close();
+    let handler = DepositHandler::default();
+    drain("conflicts", &db, &broker, handler.clone()).await;
+
+    assert_eq!(handler.calls(), 1, "the handler never runs for a conflict");
+    assert_eq!(db.balance("alice").await, 10, "the effect is unchanged");
+    let (reason, payload): (String, Vec<u8>) =
+        sqlx::query_as("SELECT reason, payload FROM txinbox.dead_letters WHERE message_id = 'evt-1'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "conflict");
+    assert_eq!(
+        payload,
+        deposit("alice", 99, "l", 1).into_bytes(),
+        "the conflicting payload is kept"
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1.reason, DeadLetterReason::Conflict);
+}
+
+#[tokio::test]
+async fn transient_failures_are_retried_and_counted_without_burning_the_key() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.close();
+    let handler = DepositHandler::failing(|_, attempt| {
+        (attempt <= 2).then(|| HandlerError::transient(format!("flaky downstream, attempt {attempt}")))
+    });
+    drain("retries", &db, &broker, handler.clone()).await;
+
+    assert_eq!(db.balance("alice").await, 10);
+    assert_eq!(handler.calls(), 3);
+    let (status, attempts, last_error): (String, i32, Option<String>) = sqlx::query_as(
+        "SELECT status, attempts, last_error FROM txinbox.inbox WHERE consumer = 'retries' AND message_id = 'evt-1'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), attempts), ("processed", 3));
+    assert_eq!(last_error.as_deref(), Some("flaky downstream, attempt 2"));
+    assert_eq!(broker.stats().retried, 2, "redelivered twice through the broker");
+}
+
+#[tokio::test]
+async fn exhausted_attempts_are_dead_lettered() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.close();
+    let handler = DepositHandler::failing(|_, _| Some(HandlerError::transient("always down")));
+    Consumer::builder("exhausted")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .retry_policy(fast_retries().max_attempts(4))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    assert_eq!(handler.calls(), 4);
+    let (reason, attempts): (String, i32) =
+        sqlx::query_as("SELECT reason, attempts FROM txinbox.dead_letters WHERE consumer = 'exhausted'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((reason.as_str(), attempts), ("attempts_exhausted", 4));
+    assert_eq!(
+        broker.dead_letters()[0].1.reason,
+        DeadLetterReason::AttemptsExhausted
+    );
+}
+
+#[tokio::test]
+async fn permanent_failure_is_dead_lettered_and_its_lane_moves_on() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish_in_lane("l", "poison", deposit("alice", 1, "l", 0));
+    broker.publish_in_lane("l", "next", deposit("alice", 5, "l", 1));
+    broker.publish_in_lane("l", "garbage", "{not json");
+    broker.close();
+    let handler = DepositHandler::failing(|m, _| {
+        (m.native_id() == Some("poison")).then(|| HandlerError::permanent("account is closed"))
+    });
+    drain("poison", &db, &broker, handler.clone()).await;
+
+    assert_eq!(
+        db.balance("alice").await,
+        5,
+        "the next message in the lane was applied"
+    );
+    let rows: Vec<(String, String, String, Vec<u8>)> = sqlx::query_as(
+        "SELECT message_id, reason, error, payload FROM txinbox.dead_letters ORDER BY message_id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        (rows[0].0.as_str(), rows[0].1.as_str()),
+        ("garbage", "undecodable")
+    );
+    assert_eq!(rows[0].3, b"{not json");
+    assert_eq!(
+        (rows[1].0.as_str(), rows[1].1.as_str()),
+        ("poison", "permanent_error")
+    );
+    assert_eq!(rows[1].2, "account is closed");
+    assert_eq!(broker.stats().acked, 1);
+    assert_eq!(broker.stats().dead_lettered, 2);
+
+    // A later redelivery of the dead-lettered message is a duplicate: no second record.
+    let again = MemoryBroker::new("payments");
+    again.publish_in_lane("l", "poison", deposit("alice", 1, "l", 0));
+    again.close();
+    drain("poison", &db, &again, handler.clone()).await;
+    assert_eq!(again.stats().acked, 1);
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 2);
+}
+
+#[tokio::test]
+async fn a_crash_mid_handler_leaves_nothing_and_the_redelivery_applies_once() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.close();
+    let stuck = DepositHandler::default().blocking_forever();
+    let entered = stuck.entered.clone();
+    let consumer = Consumer::builder("crash")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(stuck)
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run());
+    entered.notified().await; // the effect is written inside the open transaction
+    run.abort(); // the process "dies" mid-handler
+    let _ = run.await;
+
+    // The redelivery runs once the dead transaction has rolled back and released its row lock.
+    let handler = DepositHandler::default();
+    drain("crash", &db, &broker, handler.clone()).await;
+    assert_eq!(handler.calls(), 1);
+    assert_eq!(db.balance("alice").await, 10, "applied exactly once");
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 1);
+    assert_eq!(
+        broker.stats().dropped_unsettled,
+        1,
+        "the crashed delivery was not acked"
+    );
+}
+
+#[tokio::test]
+async fn nothing_committed_survives_a_crash_before_the_redelivery() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    let stuck = DepositHandler::default().blocking_forever();
+    let entered = stuck.entered.clone();
+    let consumer = Consumer::builder("crash2")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(stuck)
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run());
+    entered.notified().await;
+    run.abort();
+    let _ = run.await;
+    // Wait until PostgreSQL has no transaction of ours open, then look: no inbox row, no effect.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while db
+        .scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'")
+        .await
+        > 0
+    {
+        assert!(Instant::now() < deadline, "the aborted transaction never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.inbox").await, 0);
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 0);
+    assert_eq!(broker.pending(), 1, "the message is waiting for redelivery");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_messages_with_duplicates_in_eight_lanes_apply_once_in_order() {
+    let db = TestDb::new(12).await;
+    let broker = MemoryBroker::with_seed("payments", 42);
+    broker.set_duplicate_probability(0.05);
+    broker.set_lose_ack_probability(0.02);
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    let mut published = Vec::new();
+    for i in 0..10_000u64 {
+        let lane = format!("lane-{}", i % 8);
+        let account = format!("acct-{}", rng.u32(0..50));
+        let amount = rng.i64(1..1000);
+        *expected.entry(account.clone()).or_default() += amount;
+        let payload = deposit(&account, amount, &lane, i);
+        broker.publish_in_lane(&lane, format!("evt-{i}"), payload.clone());
+        published.push((lane.clone(), format!("evt-{i}"), payload.clone()));
+        // 30% of the stream are producer-side duplicates, re-sent shortly after.
+        if rng.f64() < 3.0 / 7.0 {
+            let (l, id, p) = &published[rng.usize(published.len().saturating_sub(20)..published.len())];
+            broker.publish_in_lane(l, id.clone(), p.clone());
+        }
+    }
+    broker.close();
+    let stats_before = broker.stats();
+    let handler = DepositHandler::default();
+    Consumer::builder("bulk")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .concurrency(8)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+
+    let dup_share = (stats_before.published - 10_000) as f64 / stats_before.published as f64;
+    assert!(
+        dup_share > 0.25,
+        "the stream carries ~30% duplicates, got {dup_share:.2}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(DISTINCT message_id) FROM effects").await,
+        10_000,
+        "none missing"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects").await,
+        10_000,
+        "none applied twice"
+    );
+    for (account, want) in &expected {
+        assert_eq!(db.balance(account).await, *want, "balance of {account}");
+    }
+    // Within each lane the effects were applied in publish order.
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT lane, idx FROM effects ORDER BY seq")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (lane, idx) in rows {
+        let prev = last.insert(lane.clone(), idx);
+        assert!(
+            prev.is_none_or(|p| p < idx),
+            "lane {lane}: {idx} applied after {prev:?}"
+        );
+    }
+    assert!(broker.stats().acks_lost > 0, "the run exercised lost acks");
+    assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn database_outage_acks_nothing_and_loses_nothing() {
+    let cluster = PrivateCluster::start();
+    let db = TestDb::on(cluster.options(), 6).await;
+    let broker = MemoryBroker::new("payments");
+    let total = 600u64;
+    let consumer = Consumer::builder("outage")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(DepositHandler::default())
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run());
+    let publisher = {
+        let broker = broker.clone();
+        tokio::spawn(async move {
+            for i in 0..total {
+                broker.publish(format!("evt-{i}"), deposit("alice", 1, "-", i));
+                if i % 3 == 0 {
+                    // A duplicate of an earlier event, as a producer retry would send.
+                    broker.publish(format!("evt-{}", i / 2), deposit("alice", 1, "-", i / 2));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            broker.close();
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let acks_before_stop = broker.stats().acked;
+    let stopped = Instant::now();
+    cluster.down();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let restarted = Instant::now();
+    cluster.up();
+    publisher.await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the consumer recovers and drains after the restart")
+        .unwrap()
+        .unwrap();
+
+    assert!(acks_before_stop > 0, "messages flowed before the outage");
+    // Transactions that committed just before the stop may be acked a moment after it; after
+    // that grace period nothing may be acked until the server is back.
+    let grace = stopped + Duration::from_millis(500);
+    let during: Vec<_> = broker
+        .acks()
+        .into_iter()
+        .filter(|a| a.at > grace && a.at < restarted)
+        .collect();
+    assert!(during.is_empty(), "acked while the database was down: {during:?}");
+    assert_eq!(
+        db.balance("alice").await,
+        total as i64,
+        "every unique event applied once"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, total as i64);
+}
+
+#[tokio::test]
+async fn messages_without_a_usable_id_or_too_large_are_dead_lettered_not_processed() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish_with(
+        Some("l"),
+        None,
+        Headers::new(),
+        deposit("alice", 1, "l", 0).into(),
+    );
+    broker.publish_with(
+        Some("l"),
+        Some("evt-big".into()),
+        Headers::new().with("bin", Bytes::from_static(b"\xff\x00\xfe")),
+        Bytes::from(vec![b'x'; 2048]),
+    );
+    broker.publish_with(
+        Some("l"),
+        Some("a\0b".into()),
+        Headers::new(),
+        deposit("alice", 1, "l", 2).into(),
+    );
+    broker.publish_in_lane("l", "evt-ok", deposit("alice", 7, "l", 3));
+    broker.close();
+    let handler = DepositHandler::default();
+    Consumer::builder("untrusted")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .max_message_bytes(1024)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    assert_eq!(handler.calls(), 1, "only the valid message ran");
+    assert_eq!(db.balance("alice").await, 7);
+    let reasons: Vec<String> = sqlx::query_scalar("SELECT reason FROM txinbox.dead_letters ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(reasons, ["missing_id", "too_large", "invalid_id"]);
+    let headers: serde_json::Value =
+        sqlx::query_scalar("SELECT headers FROM txinbox.dead_letters WHERE reason = 'too_large'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        headers[0]["value_hex"], "ff00fe",
+        "binary headers are kept, not lost"
+    );
+}
+
+#[tokio::test]
+async fn graceful_shutdown_settles_everything_it_received() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    for i in 0..50u64 {
+        broker.publish(format!("evt-{i}"), deposit("alice", 1, "-", i));
+    }
+    let handler = DepositHandler::default().holding(Duration::from_millis(50));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let consumer = Consumer::builder("shutdown")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .concurrency(4)
+        .max_in_flight(8)
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop.send(()).unwrap();
+    run.await.unwrap().unwrap();
+
+    let stats = broker.stats();
+    assert!(stats.acked > 0 && stats.acked < 50, "stopped midway: {stats:?}");
+    assert_eq!(stats.dropped_unsettled, 0, "every received delivery was settled");
+    assert_eq!(
+        broker.pending() as u64,
+        50 - stats.acked,
+        "the rest wait in the queue"
+    );
+    assert_eq!(
+        db.balance("alice").await as u64,
+        stats.acked,
+        "each ack has its committed effect"
+    );
+}
+
+#[tokio::test]
+async fn in_place_retries_hold_the_lane_and_keep_order() {
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
+    broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
+    broker.close();
+    let handler = DepositHandler::failing(|m, attempt| {
+        (m.native_id() == Some("evt-0") && attempt < 3).then(|| HandlerError::transient("not yet"))
+    });
+    drain("inplace", &db, &broker, handler.clone()).await;
+    let order: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects ORDER BY seq")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(order, ["evt-0", "evt-1"]);
+    assert_eq!(broker.stats().retried, 0, "no broker redelivery in place mode");
+    assert_eq!(handler.starts.lock().unwrap()["evt-0"], 3);
+}
+
+#[tokio::test]
+async fn configuration_errors_say_what_to_change() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy(&support::admin_url())
+        .unwrap();
+    let build = |name: &str, concurrency: usize, id: IdStrategy| {
+        Consumer::builder(name)
+            .source(MemoryBroker::new("q").source())
+            .inbox(txinbox::PostgresInbox::new(pool.clone()))
+            .handler(DepositHandler::default())
+            .concurrency(concurrency)
+            .id_strategy(id)
+            .build()
+            .unwrap_err()
+    };
+    let msg = |e: Error| e.to_string();
+    assert!(msg(build("bad name; DROP", 1, IdStrategy::Native)).contains("use only A-Z a-z 0-9"));
+    assert!(msg(build("", 1, IdStrategy::Native)).contains("1 to 128"));
+    assert!(msg(build("ok", 9, IdStrategy::Native)).contains("raise max_connections or lower concurrency"));
+    assert!(msg(build("ok", 1, IdStrategy::JsonPointer("id".into()))).contains("start with '/'"));
+    let bad_url = txinbox::PostgresInbox::connect("postgres://user:s3cret@127.0.0.1:1/db", 2)
+        .await
+        .unwrap_err();
+    assert!(
+        !bad_url.to_string().contains("s3cret"),
+        "secrets never appear in errors: {bad_url}"
+    );
+    let unparsable = txinbox::PostgresInbox::connect("not a url", 2).await.unwrap_err();
+    assert!(unparsable.to_string().contains("does not parse"), "{unparsable}");
+}
+
+#[tokio::test]
+async fn a_missing_schema_stops_the_consumer_with_a_clear_error() {
+    let db = TestDb::new(10).await;
+    sqlx::query("DROP SCHEMA txinbox CASCADE")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new("q");
+    broker.publish("evt-1", deposit("alice", 1, "-", 0));
+    let err = Consumer::builder("nomigrate")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(DepositHandler::default())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("run txinbox::migrate"), "{err}");
+    assert_eq!(broker.stats().acked, 0);
+    assert_eq!(broker.pending(), 1, "the message is still there");
+}
+
+mod migrations {
+    use super::support::TestDb;
+
+    #[tokio::test]
+    async fn fresh_install_rerun_and_coexistence_with_the_applications_migrations() {
+        let db = TestDb::new(10).await; // fresh database, txinbox migrated once
+        let ledger = "SELECT count(*) FROM txinbox._sqlx_migrations";
+        let applied = db.scalar(ledger).await;
+        assert!(applied >= 1);
+        txinbox::migrate(&db.pool).await.expect("re-running is a no-op");
+        assert_eq!(db.scalar(ledger).await, applied);
+
+        // The application's own sqlx migrations, in the default public ledger.
+        let dir = std::env::temp_dir().join(format!("txinbox-app-migrations-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("1_app.sql"),
+            "CREATE TABLE app_orders (id bigint PRIMARY KEY);",
+        )
+        .unwrap();
+        let app = sqlx::migrate::Migrator::new(dir.as_path()).await.unwrap();
+        app.run(&db.pool).await.expect("the app migrates beside txinbox");
+        txinbox::migrate(&db.pool)
+            .await
+            .expect("txinbox still migrates after the app");
+        app.run(&db.pool)
+            .await
+            .expect("the app's migrator does not trip over txinbox's ledger");
+        assert_eq!(db.scalar("SELECT count(*) FROM public._sqlx_migrations").await, 1);
+        assert_eq!(db.scalar(ledger).await, applied);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+mod metrics_and_spans {
+    use std::sync::{Mutex, OnceLock};
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+    use super::*;
+
+    fn snapshotter() -> &'static Snapshotter {
+        static S: OnceLock<Snapshotter> = OnceLock::new();
+        S.get_or_init(|| {
+            let recorder = DebuggingRecorder::new();
+            let s = recorder.snapshotter();
+            recorder.install().expect("the only recorder in this test binary");
+            s
+        })
+    }
+
+    /// Counter totals so far. A snapshot resets the recorder's counters, so totals are
+    /// accumulated here across snapshots (tests in this binary run concurrently).
+    fn counter(name: &str, consumer: &str, label: Option<(&str, &str)>) -> u64 {
+        type Labels = Vec<(String, String)>;
+        static TOTALS: Mutex<Vec<(String, Labels, u64)>> = Mutex::new(Vec::new());
+        let mut totals = TOTALS.lock().unwrap();
+        for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+            if let DebugValue::Counter(c) = value {
+                let labels: Labels = key
+                    .key()
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                totals.push((key.key().name().to_owned(), labels, c));
+            }
+        }
+        let has = |labels: &Labels, k: &str, v: &str| labels.iter().any(|(lk, lv)| lk == k && lv == v);
+        totals
+            .iter()
+            .filter(|(n, labels, _)| n == name && has(labels, "consumer", consumer))
+            .filter(|(_, labels, _)| label.is_none_or(|(k, v)| has(labels, k, v)))
+            .map(|(.., c)| c)
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn every_outcome_is_counted() {
+        snapshotter();
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.publish_in_lane("l", "ok", deposit("a", 1, "l", 0));
+        broker.publish_in_lane("l", "ok", deposit("a", 1, "l", 0)); // duplicate
+        broker.publish_in_lane("l", "ok", deposit("a", 2, "l", 0)); // conflict
+        broker.publish_in_lane("l", "flaky", deposit("a", 1, "l", 1)); // one retry
+        broker.publish_in_lane("l", "bad", "nope"); // undecodable
+        broker.close();
+        let handler = DepositHandler::failing(|m, attempt| {
+            (m.native_id() == Some("flaky") && attempt == 1).then(|| HandlerError::transient("once"))
+        });
+        broker.set_lose_ack_probability(0.0);
+        drain("metrics", &db, &broker, handler).await;
+        let c = |name| counter(name, "metrics", None);
+        assert_eq!(c(txinbox::telemetry::PROCESSED), 2);
+        assert_eq!(c(txinbox::telemetry::DUPLICATES), 1);
+        assert_eq!(c(txinbox::telemetry::CONFLICTS), 1);
+        assert_eq!(c(txinbox::telemetry::RETRIES), 1);
+        assert_eq!(c(txinbox::telemetry::DEAD_LETTERS), 2);
+        assert_eq!(
+            counter(
+                txinbox::telemetry::DEAD_LETTERS,
+                "metrics",
+                Some(("reason", "conflict"))
+            ),
+            1
+        );
+        assert_eq!(c(txinbox::telemetry::ACK_FAILURES), 0);
+
+        let lossy = MemoryBroker::with_seed("payments", 3);
+        lossy.set_lose_ack_probability(1.0);
+        lossy.publish("x", deposit("a", 1, "-", 9));
+        let run = tokio::spawn(
+            Consumer::builder("metrics-acks")
+                .source(lossy.source())
+                .inbox(db.inbox())
+                .handler(DepositHandler::default())
+                .build()
+                .unwrap()
+                .run(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while counter(txinbox::telemetry::ACK_FAILURES, "metrics-acks", None) < 3 {
+            assert!(Instant::now() < deadline, "ack failures after commit are counted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        run.abort();
+        assert_eq!(counter(txinbox::telemetry::PROCESSED, "metrics-acks", None), 1);
+        assert!(counter(txinbox::telemetry::DUPLICATES, "metrics-acks", None) >= 2);
+    }
+}
