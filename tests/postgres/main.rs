@@ -694,3 +694,93 @@ mod metrics_and_spans {
         assert!(counter(txinbox::telemetry::DUPLICATES, "metrics-acks", None) >= 2);
     }
 }
+
+mod spans {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing_subscriber::layer::{Context as LayerContext, SubscriberExt};
+    use tracing_subscriber::registry::LookupSpan;
+    use tracing_subscriber::Layer;
+
+    use super::*;
+
+    type Fields = HashMap<String, String>;
+
+    /// Collects the fields of every closed `txinbox.process` span.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<Fields>>>);
+
+    struct Visitor<'a>(&'a mut Fields);
+    impl Visit for Visitor<'_> {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            self.0.insert(
+                field.name().to_owned(),
+                format!("{value:?}").trim_matches('"').to_owned(),
+            );
+        }
+    }
+
+    impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
+        fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, cx: LayerContext<'_, S>) {
+            let mut fields = Fields::new();
+            attrs.record(&mut Visitor(&mut fields));
+            cx.span(id).unwrap().extensions_mut().insert(fields);
+        }
+        fn on_record(&self, id: &Id, values: &Record<'_>, cx: LayerContext<'_, S>) {
+            let span = cx.span(id).unwrap();
+            let mut ext = span.extensions_mut();
+            values.record(&mut Visitor(ext.get_mut::<Fields>().unwrap()));
+        }
+        fn on_close(&self, id: Id, cx: LayerContext<'_, S>) {
+            let span = cx.span(&id).unwrap();
+            if span.name() == "txinbox.process" {
+                let fields = span.extensions_mut().remove::<Fields>().unwrap();
+                self.0.lock().unwrap().push(fields);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
+        // A global subscriber: a thread-local default races with other tests over tracing's
+        // global callsite-interest cache. Spans of other tests are filtered out by consumer name.
+        static CAPTURE: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
+        let capture = CAPTURE.get_or_init(|| {
+            let capture = Capture::default();
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
+                .expect("the only global subscriber in this test binary");
+            capture
+        });
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.publish("evt-1", deposit("a", 1, "-", 0));
+        broker.publish("evt-1", deposit("a", 1, "-", 0));
+        broker.close();
+        drain("spans", &db, &broker, DepositHandler::default()).await;
+
+        let spans: Vec<Fields> = capture
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.get("messaging.consumer.group.name").map(String::as_str) == Some("spans"))
+            .cloned()
+            .collect();
+        assert_eq!(spans.len(), 2, "one span per delivery");
+        for s in &spans {
+            assert_eq!(s["messaging.system"], "memory");
+            assert_eq!(s["messaging.destination.name"], "payments");
+            assert_eq!(s["messaging.consumer.group.name"], "spans");
+            assert_eq!(s["messaging.message.id"], "evt-1");
+        }
+        let mut outcomes: Vec<_> = spans.iter().map(|s| s["txinbox.outcome"].as_str()).collect();
+        outcomes.sort();
+        assert_eq!(outcomes, ["duplicate", "processed"]);
+        assert!(spans
+            .iter()
+            .any(|s| s.get("txinbox.attempt").map(String::as_str) == Some("1")));
+    }
+}
