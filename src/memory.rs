@@ -9,7 +9,9 @@
 //! - faults can be switched on: duplicate deliveries and lost acknowledgements (the settlement
 //!   fails and the message comes back, as after a crash between commit and ack).
 //!
-//! Randomness comes from a seeded generator, so a failing run can be replayed with its seed.
+//! Fault decisions come from one seeded generator. With one consumer at concurrency 1 a run
+//! replays exactly from its seed; with more, the order of draws follows task timing, so a seed
+//! reproduces the fault *rates*, not the exact sequence.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

@@ -161,7 +161,7 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 Span::current().record("txinbox.attempt", attempt);
                 let text = clean_text(&error.to_string());
                 if error.is_permanent() {
-                    tracing::warn!(attempt, error = %text, "handler failed permanently");
+                    tracing::debug!(attempt, error = %text, "handler failed permanently");
                     return dead_letter(shared, delivery, Some(entry), error.reason(), &text, attempt).await;
                 }
                 if shared.retry.exhausted(attempt) {
@@ -348,8 +348,10 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     Span::current().record("txinbox.outcome", outcome);
     if let Err(e) = delivery.settle(settlement).await {
         // The database side is final; the broker will redeliver and the inbox deduplicates.
+        // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
+        // broker connection is flapping).
         metrics::counter!(telemetry::ACK_FAILURES, "consumer" => consumer).increment(1);
-        tracing::warn!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
+        tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
     } else {
         tracing::debug!(outcome, "settled");
     }
