@@ -67,6 +67,11 @@ pub trait InboxStore: Send + Sync + 'static {
     /// conflict; saves the position.
     async fn dead_letter(&self, record: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError>;
 
+    /// The stored next positions of `consumer` in `source`, by lane (Kafka: partition number
+    /// as text → next offset). An adapter reads them when it is assigned lanes, so consumption
+    /// resumes exactly where the database's state ends, also after a database restore.
+    async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError>;
+
     /// The pool's connection limit, so the consumer can refuse a concurrency the pool cannot
     /// serve. `None` if unknown.
     fn max_connections(&self) -> Option<u32> {

@@ -257,6 +257,17 @@ impl InboxStore for PostgresInbox {
         Ok(DeadLetterOutcome::Recorded)
     }
 
+    async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        sqlx::query_as(
+            "SELECT lane, next_position FROM txinbox.positions WHERE consumer = $1 AND source = $2",
+        )
+        .bind(consumer)
+        .bind(source)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(classify)
+    }
+
     fn max_connections(&self) -> Option<u32> {
         Some(self.pool.options().get_max_connections())
     }

@@ -784,3 +784,87 @@ mod spans {
             .any(|s| s.get("txinbox.attempt").map(String::as_str) == Some("1")));
     }
 }
+
+mod positions {
+    use txinbox::{Capabilities, Delivery, InboxStore, Lane, Message, MessageSource, Origin, Position};
+    use txinbox::{RetryMode, SettleError, Settlement, SourceError};
+
+    use super::*;
+
+    /// A source whose deliveries carry Kafka-like positions: one lane per partition.
+    struct Positioned(std::vec::IntoIter<(i32, i64, &'static str)>);
+    struct PositionedDelivery(Message);
+
+    #[txinbox::async_trait]
+    impl MessageSource for Positioned {
+        type Delivery = PositionedDelivery;
+        async fn receive(&mut self) -> Result<Option<PositionedDelivery>, SourceError> {
+            Ok(self.0.next().map(|(p, off, payload)| {
+                let origin = Origin::new("memory", "orders").at(p, off);
+                PositionedDelivery(Message::new(payload, origin))
+            }))
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities {
+                system: "memory",
+                retry: RetryMode::InPlace,
+                default_id_strategy: IdStrategy::Offset,
+            }
+        }
+        async fn close(self) -> Result<(), SourceError> {
+            Ok(())
+        }
+    }
+
+    #[txinbox::async_trait]
+    impl Delivery for PositionedDelivery {
+        fn message(&self) -> &Message {
+            &self.0
+        }
+        fn lane(&self) -> Lane {
+            Lane::Ordered(self.0.origin().partition.unwrap().to_string().into())
+        }
+        fn position(&self) -> Option<Position> {
+            let o = self.0.origin();
+            Some(Position {
+                source: o.destination.clone(),
+                lane: o.partition.unwrap().to_string().into(),
+                next: o.offset.unwrap() + 1,
+            })
+        }
+        async fn settle(self, _: Settlement) -> Result<(), SettleError> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn positions_are_stored_with_effects_dead_letters_and_duplicates() {
+        let db = TestDb::new(10).await;
+        let source = Positioned(
+            vec![
+                (0, 0, r#"{"account":"a","amount":1,"lane":"0","idx":0}"#),
+                (0, 1, "not json"), // dead-lettered: the position still moves past it
+                (1, 7, r#"{"account":"a","amount":1,"lane":"1","idx":7}"#),
+            ]
+            .into_iter(),
+        );
+        Consumer::builder("positions")
+            .source(source)
+            .inbox(db.inbox())
+            .handler(DepositHandler::default())
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        let mut got = db.inbox().load_positions("positions", "orders").await.unwrap();
+        got.sort();
+        assert_eq!(got, [("0".to_string(), 2), ("1".to_string(), 8)]);
+        assert!(db
+            .inbox()
+            .load_positions("positions", "other")
+            .await
+            .unwrap()
+            .is_empty());
+    }
+}
