@@ -25,7 +25,8 @@
 //! - [`MessageSource`] / [`Delivery`]: what a broker adapter implements (`txinbox-kafka`,
 //!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
 //! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction.
-//! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`, default).
+//! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
+//!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
 //!
 //! # Features
@@ -33,7 +34,8 @@
 //! | feature | default | what |
 //! |---|---|---|
 //! | `postgres` | yes | [`PostgresInbox`], [`migrate`] |
-//! | `memory` | no | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
+//! | `sqlite` | yes | [`SqliteInbox`], [`migrate_sqlite`]: the embedded store (bundled SQLite) |
+//! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
 //!
 //! # Observability
 //!
@@ -73,6 +75,8 @@ pub use store::{
 
 #[cfg(feature = "postgres")]
 pub use store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::{migrate_sqlite, sqlite_migrator, SqliteInbox};
 
 /// Re-exported so handlers and adapters use the same versions as txinbox.
 pub use async_trait::async_trait;

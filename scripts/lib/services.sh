@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# scripts/lib/services.sh — sourced by scripts/test and scripts/demo.
+# scripts/lib/services.sh — sourced by scripts/test.
 #
 # Makes the toolchain and local services the tests need available on a plain Debian 12 machine
 # without Docker, installing (apt) and starting whatever is missing. Each function prints one line.

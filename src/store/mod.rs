@@ -7,11 +7,13 @@ use std::fmt;
 
 use async_trait::async_trait;
 
-use crate::message::{Message, MessageId, Origin};
+use crate::message::{Headers, Message, MessageId, Origin};
 use crate::source::{DeadLetterReason, Position};
 
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite;
 
 /// Longest error text stored, in bytes; longer texts are cut at a character boundary.
 pub const MAX_ERROR_LEN: usize = 2048;
@@ -127,6 +129,7 @@ impl InboxStatus {
         }
     }
 
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn parse(s: &str) -> Option<Self> {
         match s {
             "processed" => Some(InboxStatus::Processed),
@@ -220,6 +223,32 @@ pub(crate) fn clean_text(s: &str) -> String {
     s[..end].replace('\0', "")
 }
 
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+/// Headers as a JSON array of `{"name": .., "value": ..}`. A name or value that is not valid
+/// UTF-8, or contains NUL (which `jsonb` rejects), is stored hex-encoded under `name_hex` /
+/// `value_hex` instead, so nothing is lost.
+fn headers_json(headers: &Headers) -> serde_json::Value {
+    fn field(obj: &mut serde_json::Map<String, serde_json::Value>, key: &str, bytes: &[u8]) {
+        match std::str::from_utf8(bytes) {
+            Ok(s) if !s.contains('\0') => {
+                obj.insert(key.into(), s.into());
+            }
+            _ => {
+                obj.insert(format!("{key}_hex"), crate::message::hex(bytes).into());
+            }
+        }
+    }
+    headers
+        .iter()
+        .map(|(name, value)| {
+            let mut obj = serde_json::Map::new();
+            field(&mut obj, "name", name.as_bytes());
+            field(&mut obj, "value", value);
+            serde_json::Value::Object(obj)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,5 +260,18 @@ mod tests {
         assert!(cut.len() <= MAX_ERROR_LEN);
         assert!(cut.chars().all(|c| c == 'é'));
         assert_eq!(clean_text("a\0b"), "ab");
+    }
+
+    #[test]
+    fn headers_that_are_not_clean_utf8_are_kept_as_hex() {
+        let h = Headers::new()
+            .with("ce_id", "abc")
+            .with("bin", &b"\xff\x00"[..])
+            .with("nul", "a\0b");
+        let j = headers_json(&h);
+        assert_eq!(j[0]["value"], "abc");
+        assert_eq!(j[1]["value_hex"], "ff00");
+        assert_eq!(j[2]["value_hex"], "610062");
+        assert!(j[1].get("value").is_none());
     }
 }

@@ -6,8 +6,9 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
-use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError};
-use crate::message::Headers;
+use super::{
+    headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+};
 use crate::source::Position;
 
 /// The schema that holds txinbox's tables and its migration ledger.
@@ -273,31 +274,6 @@ impl InboxStore for PostgresInbox {
     }
 }
 
-/// Headers as a JSON array of `{"name": .., "value": ..}`. A name or value that is not valid
-/// UTF-8, or contains NUL (which `jsonb` rejects), is stored hex-encoded under `name_hex` /
-/// `value_hex` instead, so nothing is lost.
-fn headers_json(headers: &Headers) -> serde_json::Value {
-    fn field(obj: &mut serde_json::Map<String, serde_json::Value>, key: &str, bytes: &[u8]) {
-        match std::str::from_utf8(bytes) {
-            Ok(s) if !s.contains('\0') => {
-                obj.insert(key.into(), s.into());
-            }
-            _ => {
-                obj.insert(format!("{key}_hex"), crate::message::hex(bytes).into());
-            }
-        }
-    }
-    headers
-        .iter()
-        .map(|(name, value)| {
-            let mut obj = serde_json::Map::new();
-            field(&mut obj, "name", name.as_bytes());
-            field(&mut obj, "value", value);
-            serde_json::Value::Object(obj)
-        })
-        .collect()
-}
-
 /// Sorts sqlx errors into transient (back off and retry) and fatal (stop and report).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
     let transient = match &e {
@@ -325,23 +301,5 @@ pub(crate) fn classify(e: sqlx::Error) -> StoreError {
         StoreError::transient(e)
     } else {
         StoreError::fatal(e)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_that_are_not_clean_utf8_are_kept_as_hex() {
-        let h = Headers::new()
-            .with("ce_id", "abc")
-            .with("bin", &b"\xff\x00"[..])
-            .with("nul", "a\0b");
-        let j = headers_json(&h);
-        assert_eq!(j[0]["value"], "abc");
-        assert_eq!(j[1]["value_hex"], "ff00");
-        assert_eq!(j[2]["value_hex"], "610062");
-        assert!(j[1].get("value").is_none());
     }
 }

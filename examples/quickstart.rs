@@ -1,0 +1,303 @@
+//! Effectively-once deposits on an at-least-once broker, with no services to install.
+//!
+//! 1,000 deposit events go through `MemoryBroker`, an in-process broker that misbehaves on
+//! purpose: it delivers about 20% of messages twice and loses about 10% of acknowledgements, so
+//! those messages come back after their transaction committed (a crash between commit and ack).
+//! Midway the consumer process "crashes" for real (its task is aborted with transactions open)
+//! and a new consumer takes over. The producer also re-sends some events with the same ID,
+//! reuses one ID with a different payload (a conflict) and sends one payload that is not JSON.
+//! One event fails transiently on its first attempt and is retried. The handler's update is not
+//! idempotent (`balance = balance + amount`), yet the total balance equals the sum of the events
+//! sent. The example prints a report and exits non-zero if any figure disagrees.
+//!
+//! The inbox is SQLite (a file in a temporary directory); `--postgres` runs the same on
+//! PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`; it drops
+//! and recreates the database `txinbox_quickstart` there).
+//!
+//! Run with:
+//!
+//! ```text
+//! cargo run --example quickstart
+//! cargo run --example quickstart -- --postgres
+//! ```
+//!
+//! `RUST_LOG` (default `warn`) controls the runtime's logs, written to stderr.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection as _, Postgres, Sqlite};
+use tracing_subscriber::EnvFilter;
+use txinbox::memory::{MemoryBroker, MemoryStats};
+use txinbox::telemetry::{ACK_FAILURES, DUPLICATES};
+use txinbox::{Consumer, Context, Handler, HandlerError, InboxStore, Message, PostgresInbox, SqliteInbox};
+
+const CONSUMER: &str = "quickstart";
+const EVENTS: usize = 1_000;
+/// The event whose first attempt fails with a transient error.
+const FLAKY: &str = "evt-333";
+
+#[derive(serde::Deserialize)]
+struct Deposit {
+    account: String,
+    amount: i64,
+}
+
+struct Deposits;
+
+/// The same handler for both databases; only the placeholder syntax differs.
+macro_rules! deposits_on {
+    ($db:ty, $upsert:literal) => {
+        #[txinbox::async_trait]
+        impl Handler<$db> for Deposits {
+            async fn handle(&self, cx: &mut Context<'_, $db>, msg: &Message) -> Result<(), HandlerError> {
+                let deposit: Deposit = msg.json()?; // not JSON: dead-lettered as `undecodable`
+                if cx.message_id().as_str() == FLAKY && cx.attempt() == 1 {
+                    return Err(HandlerError::transient(
+                        "simulated timeout of a downstream service",
+                    ));
+                }
+                // Not idempotent on purpose: applied twice, a balance would be wrong.
+                sqlx::query($upsert)
+                    .bind(&deposit.account)
+                    .bind(deposit.amount)
+                    .execute(cx.db())
+                    .await?; // a database error is transient: rolled back, retried later
+                Ok(())
+            }
+        }
+    };
+}
+deposits_on!(
+    Postgres,
+    "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+     ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + excluded.balance"
+);
+deposits_on!(
+    Sqlite,
+    "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
+     ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + excluded.balance"
+);
+
+/// What the database says happened.
+struct Figures {
+    applied: i64,
+    conflicts: i64,
+    undecodable: i64,
+    flaky_attempts: i64,
+    balance: i64,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Examples install the subscriber and the metrics recorder; the library never does.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder
+        .install()
+        .map_err(|_| "a metrics recorder is already installed")?;
+
+    let (broker, expected, resent) = publish();
+    let (store_name, figures) = if std::env::args().any(|a| a == "--postgres") {
+        ("PostgreSQL", on_postgres(&broker).await?)
+    } else {
+        ("SQLite", on_sqlite(&broker).await?)
+    };
+
+    // What happened, according to the broker, the database and the runtime's metrics.
+    let MemoryStats {
+        published,
+        delivered,
+        duplicates_injected,
+        acks_lost,
+        retried,
+        dead_lettered,
+        dropped_unsettled,
+        ..
+    } = broker.stats();
+    let Figures {
+        applied,
+        conflicts,
+        undecodable,
+        flaky_attempts,
+        balance,
+    } = figures;
+    let counters: HashMap<String, u64> = (snapshotter.snapshot().into_vec().into_iter())
+        .filter_map(|(key, .., value)| match value {
+            DebugValue::Counter(n) => Some((key.key().name().to_owned(), n)),
+            _ => None,
+        })
+        .collect();
+    let counter = |name: &str| counters.get(name).copied().unwrap_or(0);
+    let applied_u = applied as u64;
+    // Every delivery ends applied, skipped as a duplicate, retried later, dead-lettered, or
+    // dropped unsettled by the crash (and then delivered again).
+    let skipped = delivered - applied_u - retried - dead_lettered - dropped_unsettled;
+    let unique = EVENTS + 1;
+
+    println!(
+        "txinbox quickstart ({store_name} inbox): {EVENTS} deposits through a faulty at-least-once broker
+  published          {published:>6}  ({EVENTS} events, {resent} re-sent, 1 conflicting, 1 undecodable)
+  delivered          {delivered:>6}  ({duplicates_injected} broker duplicates, {acks_lost} after a lost ack, {dropped_unsettled} after the crash, {retried} retried)
+  unique events      {unique:>6}  ({EVENTS} valid, 1 undecodable)
+  applied            {applied:>6}  ({FLAKY} succeeded on attempt {flaky_attempts})
+  duplicates skipped {skipped:>6}  (acknowledged without running the handler)
+  dead-lettered      {dead_lettered:>6}  ({conflicts} conflict, {undecodable} undecodable)
+  total balance      {balance:>6}  (expected {expected})"
+    );
+    let mut failed = Vec::new();
+    for (ok, what) in [
+        (balance == expected, "total balance != expected"),
+        (applied == EVENTS as i64, "applied != valid events"),
+        (conflicts >= 1 && undecodable == 1, "missing dead letters"),
+        (
+            (conflicts + undecodable) as u64 == dead_lettered,
+            "dead letters: database != broker",
+        ),
+        (
+            flaky_attempts == 2,
+            "the flaky event was not retried exactly once",
+        ),
+        (skipped == counter(DUPLICATES), "skipped != duplicates metric"),
+        (acks_lost == counter(ACK_FAILURES), "lost acks != metric"),
+        (dropped_unsettled > 0, "the crash interrupted nothing"),
+    ] {
+        if !ok {
+            failed.push(what);
+        }
+    }
+    if !failed.is_empty() {
+        eprintln!("FAILED: {}", failed.join("; "));
+        std::process::exit(1);
+    }
+    println!("OK: every deposit applied exactly once despite duplicates, lost acks, a crash and a retry");
+    Ok(())
+}
+
+/// Publishes the events; returns the broker, the expected total and how many were re-sent.
+fn publish() -> (MemoryBroker, i64, usize) {
+    let broker = MemoryBroker::with_seed("deposits", 42);
+    broker.set_duplicate_probability(0.2);
+    broker.set_lose_ack_probability(0.1);
+    let (mut expected, mut resent) = (0i64, 0);
+    for i in 0..EVENTS {
+        let amount = (i as i64 * 37) % 100 + 1;
+        let payload = format!(r#"{{"account": "acct-{}", "amount": {amount}}}"#, i % 50);
+        broker.publish(format!("evt-{i}"), payload.clone());
+        expected += amount;
+        if i % 25 == 0 {
+            broker.publish(format!("evt-{i}"), payload); // a producer retry: same ID, same bytes
+            resent += 1;
+        }
+    }
+    // evt-7 again with another payload: a conflict, never applied (the first payload seen wins).
+    broker.publish("evt-7", r#"{"account": "acct-7", "amount": 1000000}"#);
+    broker.publish(format!("evt-{EVENTS}"), &b"\xff\xfe not json"[..]);
+    broker.close(); // `run` returns once the queue is drained and everything is settled
+    (broker, expected, resent)
+}
+
+/// Consumes until the queue is drained, with a crash midway: the first consumer is aborted
+/// (transactions open, deliveries unsettled) and a second one takes over.
+async fn consume<S>(broker: &MemoryBroker, store: S) -> Result<(), txinbox::Error>
+where
+    S: InboxStore + Clone,
+    Deposits: Handler<S::Db>,
+{
+    let build = || {
+        Consumer::builder(CONSUMER)
+            .source(broker.source())
+            .inbox(store.clone())
+            .handler(Deposits)
+            .concurrency(4)
+            .build()
+    };
+    let first = tokio::spawn(build()?.run());
+    while broker.stats().acked < EVENTS as u64 / 3 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    first.abort(); // the process dies: no graceful shutdown
+    let _ = first.await;
+    build()?.run().await
+}
+
+async fn on_sqlite(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error::Error>> {
+    let dir = std::env::temp_dir().join(format!("txinbox-quickstart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let store = SqliteInbox::open(dir.join("inbox.db"), 4).await?;
+    let pool = store.pool().clone();
+    txinbox::migrate_sqlite(&pool).await?;
+    sqlx::raw_sql("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)")
+        .execute(&pool)
+        .await?;
+    consume(broker, store).await?;
+    let (applied, conflicts, undecodable, flaky_attempts, balance) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM txinbox_inbox WHERE consumer = ?1 AND status = 'processed'),
+                (SELECT count(*) FROM txinbox_dead_letters WHERE consumer = ?1 AND reason = 'conflict'),
+                (SELECT count(*) FROM txinbox_dead_letters WHERE consumer = ?1 AND reason = 'undecodable'),
+                (SELECT attempts FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2),
+                (SELECT coalesce(sum(balance), 0) FROM accounts)",
+    )
+    .bind(CONSUMER)
+    .bind(FLAKY)
+    .fetch_one(&pool)
+    .await?;
+    pool.close().await;
+    std::fs::remove_dir_all(dir)?;
+    Ok(Figures {
+        applied,
+        conflicts,
+        undecodable,
+        flaky_attempts,
+        balance,
+    })
+}
+
+async fn on_postgres(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error::Error>> {
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let server: PgConnectOptions = url.parse()?;
+    let mut admin = sqlx::PgConnection::connect_with(&server).await?;
+    for sql in [
+        "DROP DATABASE IF EXISTS txinbox_quickstart WITH (FORCE)",
+        "CREATE DATABASE txinbox_quickstart",
+    ] {
+        sqlx::raw_sql(sql).execute(&mut admin).await?; // one statement each: not in a transaction
+    }
+    admin.close().await?;
+    let options = PostgresInbox::connect_options(server.database("txinbox_quickstart"));
+    let pool = PgPoolOptions::new()
+        .max_connections(10)
+        .connect_with(options)
+        .await?;
+    txinbox::migrate(&pool).await?;
+    sqlx::raw_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(&pool)
+        .await?;
+    consume(broker, PostgresInbox::new(pool.clone())).await?;
+    let (applied, conflicts, undecodable, flaky_attempts, balance) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM txinbox.inbox WHERE consumer = $1 AND status = 'processed'),
+                (SELECT count(*) FROM txinbox.dead_letters WHERE consumer = $1 AND reason = 'conflict'),
+                (SELECT count(*) FROM txinbox.dead_letters WHERE consumer = $1 AND reason = 'undecodable'),
+                (SELECT attempts::bigint FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2),
+                (SELECT coalesce(sum(balance), 0)::bigint FROM accounts)",
+    )
+    .bind(CONSUMER)
+    .bind(FLAKY)
+    .fetch_one(&pool)
+    .await?;
+    Ok(Figures {
+        applied,
+        conflicts,
+        undecodable,
+        flaky_attempts,
+        balance,
+    })
+}

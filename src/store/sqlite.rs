@@ -1,0 +1,282 @@
+//! [`SqliteInbox`]: the inbox in SQLite, for services whose business data lives in SQLite and
+//! for zero-setup demos; and [`migrate_sqlite`].
+//!
+//! Same semantics as [`PostgresInbox`](crate::PostgresInbox). SQLite has one writer at a time,
+//! so every message transaction starts with `BEGIN IMMEDIATE`: it takes the write lock up
+//! front (waiting up to the busy timeout), which makes the inbox claim the serialisation point
+//! just as PostgreSQL's unique index is, and rules out lock-upgrade deadlocks.
+
+use std::path::Path;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{Sqlite, Transaction};
+
+use super::{
+    headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+};
+use crate::source::{DeadLetterReason, Position};
+
+/// The embedded SQLite migrations, with their ledger in `txinbox_sqlx_migrations`.
+pub fn sqlite_migrator() -> sqlx::migrate::Migrator {
+    let mut m = sqlx::migrate!("./migrations/sqlite");
+    m.dangerous_set_table_name("txinbox_sqlx_migrations");
+    m
+}
+
+/// Applies txinbox's SQLite migrations. Idempotent; the ledger is `txinbox_sqlx_migrations`,
+/// apart from the application's own `_sqlx_migrations`.
+pub async fn migrate_sqlite(pool: &SqlitePool) -> Result<(), sqlx::migrate::MigrateError> {
+    sqlite_migrator().run(pool).await
+}
+
+/// The inbox in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteInbox {
+    pool: SqlitePool,
+}
+
+impl SqliteInbox {
+    /// An inbox on an existing pool whose options went through
+    /// [`connect_options`](Self::connect_options). Run [`migrate_sqlite`] once before consuming.
+    pub fn new(pool: SqlitePool) -> Self {
+        SqliteInbox { pool }
+    }
+
+    /// Opens (creating if missing) the database file at `path` with
+    /// [`connect_options`](Self::connect_options) and a pool of `max_connections`.
+    pub async fn open(path: impl AsRef<Path>, max_connections: u32) -> Result<Self, StoreError> {
+        let options =
+            Self::connect_options(SqliteConnectOptions::new().filename(path).create_if_missing(true));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .map_err(classify)?;
+        Ok(SqliteInbox { pool })
+    }
+
+    /// The settings the inbox relies on: WAL journal (readers never block the writer),
+    /// `synchronous = FULL` (a commit is durable before the broker is acked) and a 30 s busy
+    /// timeout (a writer waits for the lock instead of failing).
+    pub fn connect_options(options: SqliteConnectOptions) -> SqliteConnectOptions {
+        options
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(30))
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+const CLAIM: &str = "\
+INSERT INTO txinbox_inbox
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
+     source_system, destination, source_partition, source_offset)
+VALUES (?1, ?2, ?3, ?4, 'processed', 1, CAST(unixepoch('subsec') * 1000 AS INTEGER), ?5, ?6, ?7, ?8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'processed', attempts = txinbox_inbox.attempts + 1, processed_at = excluded.processed_at
+    WHERE txinbox_inbox.status = 'retrying' AND txinbox_inbox.fingerprint = excluded.fingerprint
+RETURNING attempts";
+
+const RECORD_FAILURE: &str = "\
+INSERT INTO txinbox_inbox
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, last_error,
+     source_system, destination, source_partition, source_offset)
+VALUES (?1, ?2, ?3, ?4, 'retrying', 1, ?9, ?5, ?6, ?7, ?8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET attempts = txinbox_inbox.attempts + 1, last_error = excluded.last_error
+    WHERE txinbox_inbox.status = 'retrying' AND txinbox_inbox.fingerprint = excluded.fingerprint
+RETURNING attempts";
+
+const MARK_DEAD: &str = "\
+INSERT INTO txinbox_inbox
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, last_error, processed_at,
+     source_system, destination, source_partition, source_offset)
+VALUES (?1, ?2, ?3, ?4, 'dead_lettered', ?10, ?9, CAST(unixepoch('subsec') * 1000 AS INTEGER), ?5, ?6, ?7, ?8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'dead_lettered', attempts = excluded.attempts,
+        last_error = excluded.last_error, processed_at = excluded.processed_at
+    WHERE txinbox_inbox.status = 'retrying' AND txinbox_inbox.fingerprint = excluded.fingerprint";
+
+const INSERT_DEAD_LETTER: &str = "\
+INSERT INTO txinbox_dead_letters
+    (consumer, message_id, id_strategy, fingerprint, reason, error, attempts, payload, headers,
+     source_system, destination, source_partition, source_offset)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
+
+const SAVE_POSITION: &str = "\
+INSERT INTO txinbox_positions (consumer, source, lane, next_position)
+VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (consumer, source, lane) DO UPDATE
+    SET next_position = excluded.next_position,
+        updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+macro_rules! bind_entry {
+    ($q:expr, $e:expr) => {{
+        let e: &Entry<'_> = $e;
+        $q.bind(e.consumer)
+            .bind(e.id.as_str())
+            .bind(e.id.strategy())
+            .bind(&e.fingerprint[..])
+            .bind(e.origin.system)
+            .bind(&*e.origin.destination)
+            .bind(e.origin.partition)
+            .bind(e.origin.offset)
+    }};
+}
+
+#[async_trait]
+impl InboxStore for SqliteInbox {
+    type Db = Sqlite;
+
+    async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
+        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(classify)
+    }
+
+    async fn commit(&self, tx: Transaction<'static, Sqlite>) -> Result<(), StoreError> {
+        tx.commit().await.map_err(classify)
+    }
+
+    async fn claim(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<Claim, StoreError> {
+        let attempts: Option<i64> = bind_entry!(sqlx::query_scalar(CLAIM), entry)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(classify)?;
+        if let Some(attempt) = attempts {
+            return Ok(Claim::New {
+                attempt: attempt as u32,
+            });
+        }
+        let row: Option<(String, Vec<u8>)> = sqlx::query_as(
+            "SELECT status, fingerprint FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2",
+        )
+        .bind(entry.consumer)
+        .bind(entry.id.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(classify)?;
+        match row {
+            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Claim::Conflict),
+            Some((status, _)) => Ok(Claim::Duplicate(
+                InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
+            )),
+            None => Err(StoreError::transient(
+                "inbox row vanished during claim (concurrent purge)",
+            )),
+        }
+    }
+
+    async fn save_position(
+        &self,
+        conn: &mut SqliteConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(SAVE_POSITION)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn record_failure(&self, entry: &Entry<'_>, error: &str) -> Result<Option<u32>, StoreError> {
+        let attempts: Option<i64> = bind_entry!(sqlx::query_scalar(RECORD_FAILURE), entry)
+            .bind(error)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        Ok(attempts.map(|a| a as u32))
+    }
+
+    async fn dead_letter(&self, r: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError> {
+        let mut tx = self.begin().await?;
+        if let Some(entry) = &r.entry {
+            if r.reason != DeadLetterReason::Conflict {
+                let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
+                    .bind(r.error)
+                    .bind(r.attempts as i64)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(classify)?;
+                if marked.rows_affected() == 0 {
+                    tx.rollback().await.map_err(classify)?;
+                    return Ok(DeadLetterOutcome::AlreadyProcessed);
+                }
+            }
+        }
+        let m = r.message;
+        let o = m.origin();
+        sqlx::query(INSERT_DEAD_LETTER)
+            .bind(r.consumer)
+            .bind(r.entry.as_ref().map(|e| e.id.as_str()))
+            .bind(r.entry.as_ref().map(|e| e.id.strategy()))
+            .bind(r.entry.as_ref().map(|e| &e.fingerprint[..]))
+            .bind(r.reason.as_str())
+            .bind(r.error)
+            .bind(r.attempts as i64)
+            .bind(&m.payload()[..])
+            .bind(headers_json(m.headers()).to_string())
+            .bind(o.system)
+            .bind(&*o.destination)
+            .bind(o.partition)
+            .bind(o.offset)
+            .execute(&mut *tx)
+            .await
+            .map_err(classify)?;
+        if let Some(p) = r.position {
+            self.save_position(&mut tx, r.consumer, p).await?;
+        }
+        self.commit(tx).await?;
+        Ok(DeadLetterOutcome::Recorded)
+    }
+
+    async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        sqlx::query_as(
+            "SELECT lane, next_position FROM txinbox_positions WHERE consumer = ?1 AND source = ?2",
+        )
+        .bind(consumer)
+        .bind(source)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(classify)
+    }
+
+    fn max_connections(&self) -> Option<u32> {
+        Some(self.pool.options().get_max_connections())
+    }
+}
+
+/// Transient: I/O, pool exhaustion, `SQLITE_BUSY`/`SQLITE_LOCKED` (another writer holds the
+/// lock past the busy timeout), `SQLITE_IOERR`, `SQLITE_FULL` (disk full: fail closed, retry
+/// once space is freed). Everything else (missing table, constraint) is fatal.
+pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    let transient = match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6 | 10 | 13)),
+        _ => false,
+    };
+    if transient {
+        StoreError::transient(e)
+    } else {
+        StoreError::fatal(e)
+    }
+}

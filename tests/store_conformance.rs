@@ -1,0 +1,321 @@
+//! One conformance suite for the `InboxStore` contract, run against every store:
+//! PostgreSQL (needs `DATABASE_URL`, a role that may create databases) and SQLite (a temporary
+//! file). A third-party store can copy this file and add its own `#[tokio::test]`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use txinbox::{
+    Claim, DeadLetterOutcome, DeadLetterReason, DeadLetterRecord, Entry, Headers, IdStrategy, InboxStatus,
+    InboxStore, Message, Origin, Position,
+};
+
+fn message(id: &str, payload: &'static str) -> Message {
+    Message::new(payload, Origin::new("memory", "orders").at(0, 1))
+        .with_native_id(id)
+        .with_headers(Headers::new().with("k", "v"))
+}
+
+struct Keyed {
+    msg: Message,
+    id: txinbox::MessageId,
+    fp: [u8; 32],
+}
+
+impl Keyed {
+    fn new(id: &str, payload: &'static str) -> Keyed {
+        let msg = message(id, payload);
+        let id = IdStrategy::Native.derive(&msg).unwrap();
+        let fp = txinbox::Fingerprint::PayloadBytes.of(&msg);
+        Keyed { msg, id, fp }
+    }
+    fn entry<'a>(&'a self, consumer: &'a str) -> Entry<'a> {
+        Entry {
+            consumer,
+            id: &self.id,
+            fingerprint: &self.fp,
+            origin: self.msg.origin(),
+        }
+    }
+}
+
+/// Claims `k` in a fresh transaction and commits or rolls back.
+async fn claim<S: InboxStore>(store: &S, e: &Entry<'_>, commit: bool) -> Claim {
+    let mut tx = store.begin().await.unwrap();
+    let c = store.claim(&mut *tx, e).await.unwrap();
+    if commit {
+        store.commit(tx).await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    c
+}
+
+/// The contract. `dead_letters(reason)` counts stored dead letters with that reason.
+async fn suite<S, F, Fut>(store: Arc<S>, dead_letters: F)
+where
+    S: InboxStore,
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = i64>,
+{
+    let c = "conformance";
+    let a = Keyed::new("a", "payload-a");
+    let a_other = Keyed::new("a", "payload-a2");
+
+    // New key: claimed at attempt 1; a rolled-back claim leaves nothing behind.
+    assert_eq!(
+        claim(&*store, &a.entry(c), false).await,
+        Claim::New { attempt: 1 }
+    );
+    assert_eq!(claim(&*store, &a.entry(c), true).await, Claim::New { attempt: 1 });
+    // Committed: a duplicate with the same fingerprint, a conflict with another.
+    assert_eq!(
+        claim(&*store, &a.entry(c), false).await,
+        Claim::Duplicate(InboxStatus::Processed)
+    );
+    assert_eq!(claim(&*store, &a_other.entry(c), false).await, Claim::Conflict);
+    // Another consumer is another key space.
+    assert_eq!(
+        claim(&*store, &a.entry("other"), false).await,
+        Claim::New { attempt: 1 }
+    );
+
+    // Failures are counted apart and never burn the key.
+    let b = Keyed::new("b", "payload-b");
+    assert_eq!(
+        store.record_failure(&b.entry(c), "boom 1").await.unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        store.record_failure(&b.entry(c), "boom 2").await.unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        claim(&*store, &b.entry(c), false).await,
+        Claim::New { attempt: 3 }
+    );
+    let b_other = Keyed::new("b", "payload-b2");
+    assert_eq!(
+        claim(&*store, &b_other.entry(c), false).await,
+        Claim::Conflict,
+        "retrying row, other payload"
+    );
+    assert_eq!(claim(&*store, &b.entry(c), true).await, Claim::New { attempt: 3 });
+    assert_eq!(
+        store.record_failure(&b.entry(c), "late").await.unwrap(),
+        None,
+        "a terminal key is not counted again"
+    );
+
+    // Dead letters: the key becomes terminal, a redelivery is a duplicate.
+    let d = Keyed::new("d", "payload-d");
+    let position = Position {
+        source: "orders".into(),
+        lane: "0".into(),
+        next: 2,
+    };
+    fn record<'a>(k: &'a Keyed, reason: DeadLetterReason, position: &'a Position) -> DeadLetterRecord<'a> {
+        DeadLetterRecord {
+            consumer: "conformance",
+            entry: Some(k.entry("conformance")),
+            message: &k.msg,
+            reason,
+            error: "bad",
+            attempts: 1,
+            position: Some(position),
+        }
+    }
+    assert_eq!(
+        store
+            .dead_letter(&record(&d, DeadLetterReason::Permanent, &position))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        claim(&*store, &d.entry(c), false).await,
+        Claim::Duplicate(InboxStatus::DeadLettered)
+    );
+    // Dead-lettering a key another consumer instance already processed records nothing.
+    assert_eq!(
+        store
+            .dead_letter(&record(&a, DeadLetterReason::Permanent, &position))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::AlreadyProcessed
+    );
+    // A conflict is recorded without touching the processed row.
+    assert_eq!(
+        store
+            .dead_letter(&record(&a_other, DeadLetterReason::Conflict, &position))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        claim(&*store, &a.entry(c), false).await,
+        Claim::Duplicate(InboxStatus::Processed)
+    );
+    // A message without a usable ID has no entry.
+    let no_id = message("", "x");
+    let missing = DeadLetterRecord {
+        consumer: c,
+        entry: None,
+        message: &no_id,
+        reason: DeadLetterReason::MissingId,
+        error: "no id",
+        attempts: 0,
+        position: None,
+    };
+    assert_eq!(
+        store.dead_letter(&missing).await.unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(dead_letters("permanent_error").await, 1);
+    assert_eq!(dead_letters("conflict").await, 1);
+    assert_eq!(dead_letters("missing_id").await, 1);
+
+    // Positions: saved in the caller's transaction, overwritten, read back per lane.
+    assert_eq!(
+        store.load_positions(c, "orders").await.unwrap(),
+        [("0".to_string(), 2)]
+    );
+    let mut tx = store.begin().await.unwrap();
+    let p1 = Position {
+        source: "orders".into(),
+        lane: "1".into(),
+        next: 10,
+    };
+    store.save_position(&mut *tx, c, &p1).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        store.load_positions(c, "orders").await.unwrap().len(),
+        1,
+        "rolled back with the transaction"
+    );
+    let mut tx = store.begin().await.unwrap();
+    store.save_position(&mut *tx, c, &p1).await.unwrap();
+    store
+        .save_position(
+            &mut *tx,
+            c,
+            &Position {
+                next: 11,
+                ..p1.clone()
+            },
+        )
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    let mut got = store.load_positions(c, "orders").await.unwrap();
+    got.sort();
+    assert_eq!(got, [("0".to_string(), 2), ("1".to_string(), 11)]);
+
+    // Two concurrent claims of one key: the second waits for the first, then sees a duplicate.
+    let e = Arc::new(Keyed::new("e", "payload-e"));
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut *first, &e.entry(c)).await.unwrap(),
+        Claim::New { attempt: 1 }
+    );
+    let second = {
+        let (store, e) = (store.clone(), e.clone());
+        tokio::spawn(async move { claim(&*store, &e.entry("conformance"), true).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second claim must wait for the first transaction"
+    );
+    store.commit(first).await.unwrap();
+    assert_eq!(second.await.unwrap(), Claim::Duplicate(InboxStatus::Processed));
+
+    // ...and if the first rolls back, the second claims the key.
+    let f = Arc::new(Keyed::new("f", "payload-f"));
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut *first, &f.entry(c)).await.unwrap(),
+        Claim::New { attempt: 1 }
+    );
+    let second = {
+        let (store, f) = (store.clone(), f.clone());
+        tokio::spawn(async move { claim(&*store, &f.entry("conformance"), true).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    first.rollback().await.unwrap();
+    assert_eq!(second.await.unwrap(), Claim::New { attempt: 1 });
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_conforms() {
+    use sqlx::{ConnectOptions, Executor};
+    let admin: sqlx::postgres::PgConnectOptions = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+        .parse()
+        .unwrap();
+    let name = format!("txinbox_conformance_{}", std::process::id());
+    let mut conn = admin
+        .connect()
+        .await
+        .expect("PostgreSQL at DATABASE_URL (scripts/test starts it)");
+    conn.execute(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .await
+    .unwrap();
+    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .await
+        .unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
+        .await
+        .unwrap();
+    txinbox::migrate(&pool).await.unwrap();
+    let count_pool = pool.clone();
+    suite(
+        Arc::new(txinbox::PostgresInbox::new(pool.clone())),
+        move |reason| {
+            let pool = count_pool.clone();
+            async move {
+                sqlx::query_scalar("SELECT count(*) FROM txinbox.dead_letters WHERE reason = $1")
+                    .bind(reason)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            }
+        },
+    )
+    .await;
+    pool.close().await;
+    conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)")))
+        .await
+        .unwrap();
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_store_conforms() {
+    let dir = std::env::temp_dir().join(format!("txinbox-conformance-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = txinbox::SqliteInbox::open(dir.join("inbox.db"), 4).await.unwrap();
+    txinbox::migrate_sqlite(store.pool()).await.unwrap();
+    txinbox::migrate_sqlite(store.pool())
+        .await
+        .expect("re-running is a no-op");
+    let pool = store.pool().clone();
+    suite(Arc::new(store), move |reason| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar("SELECT count(*) FROM txinbox_dead_letters WHERE reason = ?1")
+                .bind(reason)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    })
+    .await;
+    std::fs::remove_dir_all(dir).unwrap();
+}
