@@ -163,6 +163,11 @@ impl HandlerError {
         }
     }
 
+    pub(crate) fn with_reason(mut self, reason: DeadLetterReason) -> Self {
+        self.reason = reason;
+        self
+    }
+
     pub(crate) fn reason(&self) -> DeadLetterReason {
         self.reason
     }

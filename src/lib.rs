@@ -24,7 +24,8 @@
 //!
 //! - [`MessageSource`] / [`Delivery`]: what a broker adapter implements (`txinbox-kafka`,
 //!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
-//! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction.
+//! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction;
+//!   [`Router`] to run several handlers in one consumer, by message type or destination.
 //! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
 //!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
@@ -50,6 +51,7 @@ mod error;
 mod handler;
 mod message;
 mod retry;
+mod router;
 mod source;
 mod store;
 pub mod telemetry;
@@ -64,6 +66,7 @@ pub use error::Error;
 pub use handler::{Context, Handler, HandlerError};
 pub use message::{Fingerprint, Headers, IdStrategy, Message, MessageId, MissingId, Origin, MAX_ID_LEN};
 pub use retry::RetryPolicy;
+pub use router::Router;
 pub use source::{
     Capabilities, DeadLetter, DeadLetterReason, Delivery, Lane, MessageSource, Position, RetryMode,
     SettleError, Settlement, SourceError,

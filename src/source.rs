@@ -124,11 +124,13 @@ pub enum DeadLetterReason {
     InvalidId,
     /// Payload plus headers exceed the configured size limit.
     TooLarge,
+    /// No [`Router`](crate::Router) route matched the message.
+    NoHandler,
 }
 
 impl DeadLetterReason {
     /// The reason as stored and sent: `permanent_error`, `attempts_exhausted`, `undecodable`,
-    /// `conflict`, `missing_id`, `invalid_id`, `too_large`.
+    /// `conflict`, `missing_id`, `invalid_id`, `too_large`, `no_handler`.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterReason::Permanent => "permanent_error",
@@ -138,6 +140,7 @@ impl DeadLetterReason {
             DeadLetterReason::MissingId => "missing_id",
             DeadLetterReason::InvalidId => "invalid_id",
             DeadLetterReason::TooLarge => "too_large",
+            DeadLetterReason::NoHandler => "no_handler",
         }
     }
 }

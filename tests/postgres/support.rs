@@ -38,17 +38,20 @@ impl TestDb {
             .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
         CLEANED
             .get_or_init(|| async {
-                // Databases left by earlier runs (a failed test does not drop its own).
+                // Databases left by earlier runs (a failed test does not drop its own). Only those
+                // nobody is connected to: another test process may be using its own right now.
                 let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database WHERE datname LIKE 'txinbox\\_t\\_%' AND datname NOT LIKE $1",
+                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_t\\_%'
+                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
                 )
-                .bind(format!("txinbox_t_{}_%", std::process::id()))
                 .fetch_all(&mut admin.connect().await.unwrap())
                 .await
                 .unwrap();
                 let mut c = admin.connect().await.unwrap();
                 for db in stale {
-                    let _ = c.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).await;
+                    let _ = c
+                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                        .await;
                 }
             })
             .await;
