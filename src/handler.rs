@@ -10,10 +10,16 @@ use crate::source::DeadLetterReason;
 
 /// Processes one new message inside the inbox transaction.
 ///
-/// The handler runs only for messages whose ID the inbox has not seen. Everything it writes
-/// through [`Context::db`] commits together with the inbox row, or not at all. It must not
-/// commit, roll back or otherwise end the transaction, and it should not cause effects outside
-/// the database (publish through an outbox instead): those are not rolled back on failure.
+/// The handler runs only for messages the inbox has not processed or dead-lettered (a message
+/// whose earlier attempt failed runs again, with [`Context::attempt`] counting up). Everything
+/// it writes through [`Context::db`] commits together with the inbox row, or not at all. It must
+/// not commit, roll back or otherwise end the transaction, and it should not cause effects
+/// outside the database (publish through an outbox instead): those are not rolled back on
+/// failure.
+///
+/// Propagate database errors with `?`. On PostgreSQL a failed statement aborts the whole
+/// transaction; a handler that ignores the error and returns `Ok` is caught before COMMIT (the
+/// attempt fails and is retried), but it has wasted the attempt.
 ///
 /// `DB` is the sqlx database of the inbox store (`sqlx::Postgres` for
 /// [`PostgresInbox`](crate::PostgresInbox)).

@@ -19,6 +19,7 @@
 //! | COMMIT outcome unknown | unknown | none: the redelivery or the next attempt decides |
 //! | process killed anywhere | open transaction rolled back by PostgreSQL | none: redelivery |
 //! | database unreachable | nothing written | nothing acked; intake pauses, resumes by itself |
+//! | contention (deadlock, lock timeout, SQLite busy) | rolled back | the message backs off |
 //!
 //! # Pieces
 //!

@@ -163,6 +163,10 @@ pub enum Lane {
 
 /// A position in the source, stored with the effects so a restart or a database restore resumes
 /// exactly where the database's state ends.
+///
+/// The stored value is overwritten, never maximised: a replayed or late delivery can move it
+/// back, which only causes redeliveries the inbox absorbs, whereas moving it past a message not
+/// yet processed would lose that message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Position {
     /// The stream, e.g. the Kafka topic.

@@ -156,6 +156,31 @@ where
         claim(&*store, &a.entry(c), false).await,
         Claim::Duplicate(InboxStatus::Processed)
     );
+    // Dead-lettering the same message again (a retry after an unknown COMMIT outcome) records
+    // nothing new, but the broker must still be told.
+    assert_eq!(
+        store
+            .dead_letter(&record(&d, DeadLetterReason::Permanent, &position))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::AlreadyDeadLettered
+    );
+    // A failed message whose ID another payload took meanwhile is recorded as a conflict, never
+    // acked as a duplicate.
+    let g = Keyed::new("g", "payload-g");
+    let g_other = Keyed::new("g", "payload-g2");
+    assert_eq!(
+        claim(&*store, &g_other.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+    assert_eq!(
+        store
+            .dead_letter(&record(&g, DeadLetterReason::Permanent, &position))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::RecordedAsConflict
+    );
+
     // A message without a usable ID has no entry.
     let no_id = message("", "x");
     let missing = DeadLetterRecord {
@@ -172,7 +197,7 @@ where
         DeadLetterOutcome::Recorded
     );
     assert_eq!(dead_letters("permanent_error").await, 1);
-    assert_eq!(dead_letters("conflict").await, 1);
+    assert_eq!(dead_letters("conflict").await, 2);
     assert_eq!(dead_letters("missing_id").await, 1);
 
     // Positions: saved in the caller's transaction, overwritten, read back per lane.

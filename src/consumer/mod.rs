@@ -9,7 +9,7 @@
 
 mod process;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -232,7 +232,7 @@ where
                 fingerprint: self.fingerprint,
                 retry: self.retry,
                 max_message_bytes: self.max_message_bytes,
-                concurrency: Arc::new(Semaphore::new(self.concurrency)),
+                concurrency: Semaphore::new(self.concurrency),
                 concurrency_limit: self.concurrency,
                 healthy,
                 shutdown: CancellationToken::new(),
@@ -269,7 +269,7 @@ pub(crate) struct Shared<St, H> {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_message_bytes: usize,
-    concurrency: Arc<Semaphore>,
+    pub(crate) concurrency: Semaphore,
     concurrency_limit: usize,
     /// `false` while the inbox database is unreachable: intake pauses.
     healthy: watch::Sender<bool>,
@@ -354,8 +354,12 @@ where
     /// (deliveries waiting for an in-place retry are left unsettled and will be redelivered),
     /// then the source is closed. Transactions are never cancelled midway.
     ///
-    /// If the future returned here is dropped instead, in-progress transactions roll back and
-    /// their deliveries stay unsettled: like a crash, which the inbox makes safe.
+    /// If the future returned here is dropped instead, in-progress message tasks are aborted:
+    /// their transactions roll back and their deliveries stay unsettled, to be redelivered. With
+    /// sqlx 0.9.0 an abort that lands while `BEGIN` is in flight can return a connection to the
+    /// pool inside a transaction (sqlx #4393); keep `idle_in_transaction_session_timeout` set
+    /// ([`PostgresInbox::connect_options`](crate::PostgresInbox::connect_options)) and shut down
+    /// through `shutdown` rather than by dropping.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
         let Consumer {
             source,
@@ -371,6 +375,9 @@ where
         let mut task_lanes: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
         // A lane is present while a task of it runs; its queue holds the deliveries after it.
         let mut lanes: HashMap<Arc<str>, VecDeque<InFlight<Src::Delivery>>> = HashMap::new();
+        // Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
+        // it), so their later deliveries are dropped unsettled too and will be redelivered.
+        let mut stopped_lanes: HashSet<Arc<str>> = HashSet::new();
         let mut intake_open = true;
         tokio::pin!(shutdown);
         let mut signalled = false;
@@ -389,6 +396,7 @@ where
                             Lane::Ordered(key) => Some(key),
                         };
                         match lane {
+                            Some(key) if stopped_lanes.contains(&key) => drop(item),
                             Some(key) if lanes.contains_key(&key) => lanes.get_mut(&key).unwrap().push_back(item),
                             Some(key) => {
                                 lanes.insert(key.clone(), VecDeque::new());
@@ -403,26 +411,25 @@ where
                     None => intake_open = false,
                 },
                 Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                    let id = match done {
-                        Ok((id, ())) => id,
+                    let (id, settled) = match done {
+                        Ok((id, settled)) => (id, settled),
                         Err(e) => {
                             // A bug in txinbox or an adapter, not in the handler (handler panics
-                            // are caught). The delivery was dropped unsettled: it will be
-                            // redelivered.
-                            tracing::error!(consumer = %shared.name, error = %e, "message task failed");
-                            e.id()
+                            // are caught). The delivery was dropped unsettled and will be
+                            // redelivered; stop rather than run its lane out of order.
+                            let error = SourceError::fatal(format!("message task failed: {e}"));
+                            shared.fail(Error::Source(error));
+                            (e.id(), false)
                         }
                     };
                     if let Some(key) = task_lanes.remove(&id) {
-                        let queue = lanes.get_mut(&key).expect("a running lane has a queue");
-                        match queue.pop_front() {
-                            Some(next) => {
-                                let id = spawn_task(&mut tasks, &shared, next);
-                                task_lanes.insert(id, key);
-                            }
-                            None => {
-                                lanes.remove(&key);
-                            }
+                        let mut queue = lanes.remove(&key).expect("a running lane has a queue");
+                        if !settled {
+                            stopped_lanes.insert(key); // and `queue` is dropped unsettled
+                        } else if let Some(next) = queue.pop_front() {
+                            let id = spawn_task(&mut tasks, &shared, next);
+                            task_lanes.insert(id, key.clone());
+                            lanes.insert(key, queue);
                         }
                     }
                 }
@@ -444,7 +451,7 @@ where
 }
 
 fn spawn_task<D, St, H>(
-    tasks: &mut JoinSet<()>,
+    tasks: &mut JoinSet<bool>,
     shared: &Arc<Shared<St, H>>,
     item: InFlight<D>,
 ) -> tokio::task::Id
@@ -456,9 +463,8 @@ where
     let shared = shared.clone();
     tasks
         .spawn(async move {
-            let _permit = shared.concurrency.clone().acquire_owned().await;
             let InFlight { delivery, _slot } = item;
-            process::process(&shared, delivery).await;
+            process::process(&shared, delivery).await
         })
         .id()
 }

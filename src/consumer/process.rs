@@ -39,10 +39,12 @@ enum Attempt {
     Failed { attempt: u32, error: HandlerError },
 }
 
+/// Processes one delivery to its settlement. Returns `false` if it was left unsettled
+/// (shutdown or a fatal error came first): its lane must not go on without it.
 pub(super) async fn process<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     delivery: D,
-) {
+) -> bool {
     let msg = delivery.message();
     let origin = msg.origin();
     let span = tracing::info_span!(
@@ -61,9 +63,10 @@ pub(super) async fn process<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         let Some(verdict) = decide(shared, &delivery).await else {
             tracing::Span::current().record("txinbox.outcome", "abandoned");
             tracing::debug!("left unsettled at shutdown; the broker will redeliver it");
-            return;
+            return false;
         };
         settle(shared, delivery, verdict).await;
+        true
     }
     .instrument(span)
     .await
@@ -121,7 +124,15 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
 
     let mut store_failures = 0;
     loop {
+        // The concurrency permit bounds open transactions, so it is held for one trip only,
+        // never through a backoff sleep: a lane waiting to retry does not block other lanes.
+        let permit = shared
+            .concurrency
+            .acquire()
+            .await
+            .expect("semaphore is never closed");
         let outcome = attempt(shared, delivery, &id, &entry, position.as_ref()).await;
+        drop(permit);
         let outcome = match outcome {
             Ok(outcome) => {
                 shared.set_healthy(true);
@@ -129,8 +140,7 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 outcome
             }
             Err(e) => {
-                // Nothing is settled: the transaction rolled back, or its COMMIT outcome is
-                // unknown. Either way the next trip goes through the claim again.
+                // BEGIN or the claim failed: nothing was written, nothing is settled.
                 store_failures += 1;
                 store_unavailable(shared, e, store_failures)?;
                 if !shared.sleep(store_backoff(store_failures)).await {
@@ -188,7 +198,13 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     }
 }
 
-/// One trip through the message transaction.
+/// One trip through the message transaction. `Err` only for BEGIN and the claim, before
+/// anything is written; every later failure (the handler's, or the database's at
+/// `save_position`, `confirm` or COMMIT) is an [`Attempt::Failed`] that counts as an attempt,
+/// so a message that cannot commit (a deferred constraint, a handler outliving
+/// `idle_in_transaction_session_timeout`) ends in a dead letter instead of looping or stopping
+/// the consumer. An unknown COMMIT outcome is safe there: if it did commit, counting the
+/// attempt finds the key terminal and the next trip finds a duplicate.
 async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     delivery: &D,
@@ -235,23 +251,64 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     metrics::histogram!(telemetry::HANDLER_DURATION, "consumer" => shared.name.to_string())
         .record(started.elapsed().as_secs_f64());
     let error = match result {
-        Ok(Ok(())) => {
-            if let Some(p) = position {
-                store.save_position(&mut *tx, &shared.name, p).await?;
-            }
-            let started = Instant::now();
-            store.commit(tx).await?;
-            metrics::histogram!(telemetry::COMMIT_DURATION, "consumer" => shared.name.to_string())
-                .record(started.elapsed().as_secs_f64());
-            return Ok(Attempt::Committed);
+        Ok(Ok(())) => match finish(shared, tx, entry, position).await {
+            Ok(()) => return Ok(Attempt::Committed),
+            Err(error) => error,
+        },
+        Ok(Err(error)) => {
+            // Roll back explicitly rather than on drop, so the connection is clean before it
+            // returns to the pool. If the rollback fails the connection is closed.
+            drop(tx.rollback().await);
+            error
         }
-        Ok(Err(error)) => error,
-        Err(panic) => HandlerError::transient(format!("handler panicked: {}", panic_message(&*panic))),
+        Err(panic) => {
+            drop(tx.rollback().await);
+            HandlerError::transient(format!("handler panicked: {}", panic_message(&*panic)))
+        }
     };
-    // Roll back explicitly rather than on drop, so the connection is clean before it returns to
-    // the pool. If the rollback fails the connection is closed; nothing was committed either way.
-    drop(tx.rollback().await);
     Ok(Attempt::Failed { attempt, error })
+}
+
+/// Confirms the claimed row is still in the transaction, stores the position and commits.
+async fn finish<St: InboxStore, H>(
+    shared: &Shared<St, H>,
+    mut tx: sqlx::Transaction<'static, St::Db>,
+    entry: &Entry<'_>,
+    position: Option<&Position>,
+) -> Result<(), HandlerError> {
+    let store = &shared.store;
+    let failed = |what: &str, e: StoreError| HandlerError::transient(format!("{what}: {e}"));
+    // NOTE: without this check, a handler that ignored a failed statement would make
+    // PostgreSQL roll back at COMMIT without reporting an error, and the message would be
+    // acked with nothing committed.
+    match store.confirm(&mut *tx, entry).await {
+        Ok(true) => {}
+        Ok(false) => {
+            drop(tx.rollback().await);
+            return Err(HandlerError::transient(
+                "the handler's transaction was aborted (a failed statement whose error the handler \
+                 ignored) or ended by the handler; nothing was committed",
+            ));
+        }
+        Err(e) => {
+            drop(tx.rollback().await);
+            return Err(failed("checking the transaction before COMMIT failed", e));
+        }
+    }
+    if let Some(p) = position {
+        if let Err(e) = store.save_position(&mut *tx, &shared.name, p).await {
+            drop(tx.rollback().await);
+            return Err(failed("storing the position failed", e));
+        }
+    }
+    let started = Instant::now();
+    store
+        .commit(tx)
+        .await
+        .map_err(|e| failed("COMMIT failed (outcome unknown; not acknowledged)", e))?;
+    metrics::histogram!(telemetry::COMMIT_DURATION, "consumer" => shared.name.to_string())
+        .record(started.elapsed().as_secs_f64());
+    Ok(())
 }
 
 /// Records a dead letter (retrying while the database is unavailable) and returns the verdict.
@@ -273,11 +330,18 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         attempts,
         position: position.as_ref(),
     };
-    match with_store(shared, || shared.store.dead_letter(&record)).await? {
-        DeadLetterOutcome::Recorded => Some(Verdict::DeadLetter(DeadLetter {
+    let dead = |reason| {
+        Some(Verdict::DeadLetter(DeadLetter {
             reason,
             error: error.to_owned(),
-        })),
+        }))
+    };
+    match with_store(shared, || shared.store.dead_letter(&record)).await? {
+        DeadLetterOutcome::Recorded | DeadLetterOutcome::AlreadyDeadLettered => dead(reason),
+        DeadLetterOutcome::RecordedAsConflict => {
+            metrics::counter!(telemetry::CONFLICTS, "consumer" => shared.name.to_string()).increment(1);
+            dead(DeadLetterReason::Conflict)
+        }
         DeadLetterOutcome::AlreadyProcessed => Some(Verdict::Duplicate),
     }
 }
@@ -308,11 +372,17 @@ where
     }
 }
 
-/// Pauses intake on a transient store error; stops the consumer on a fatal one (`None`).
+/// Pauses intake while the database is unavailable; stops the consumer on a fatal error
+/// (`None`); contention only backs off the message.
 fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32) -> Option<()> {
     if !e.is_transient() {
         shared.fail(Error::Store(e));
         return None;
+    }
+    if !e.is_unavailable() {
+        // Contention (deadlock, lock timeout, busy): this message backs off, intake goes on.
+        tracing::info!(error = %e, "inbox transaction contention; backing off");
+        return Some(());
     }
     metrics::counter!(telemetry::STORE_ERRORS, "consumer" => shared.name.to_string()).increment(1);
     if failures == 1 {

@@ -51,6 +51,12 @@ pub trait InboxStore: Send + Sync + 'static {
     /// conflict and changes nothing.
     async fn claim(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<Claim, StoreError>;
 
+    /// Checks, just before COMMIT, that the transaction still holds the row
+    /// [`claim`](Self::claim) inserted. `Ok(false)` when it does not: on PostgreSQL a failed
+    /// statement the handler ignored aborts the transaction, and COMMIT would then roll back
+    /// *without an error*, so the runtime would ack a message whose effects are gone.
+    async fn confirm(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<bool, StoreError>;
+
     /// Stores `position.next` as the consumer's next position for the position's lane.
     async fn save_position(
         &self,
@@ -66,7 +72,8 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Records a dead letter in its own transaction: the original message, reason and error;
     /// marks the inbox row `dead_lettered` when the message has a usable ID and is not a
-    /// conflict; saves the position.
+    /// conflict; saves the position. If the key turns out to be taken meanwhile, records
+    /// accordingly: see [`DeadLetterOutcome`].
     async fn dead_letter(&self, record: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError>;
 
     /// The stored next positions of `consumer` in `source`, by lane (Kafka: partition number
@@ -162,26 +169,50 @@ pub struct DeadLetterRecord<'a> {
 /// The outcome of [`InboxStore::dead_letter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadLetterOutcome {
-    /// Recorded.
+    /// Recorded with the requested reason.
     Recorded,
-    /// Nothing recorded: another consumer processed the key meanwhile, so this delivery is a
-    /// duplicate.
+    /// The key was meanwhile taken by another payload (another delivery with the same ID
+    /// committed first): recorded as a `conflict` instead.
+    RecordedAsConflict,
+    /// This very message (same ID and fingerprint) is already dead-lettered, e.g. because an
+    /// earlier COMMIT whose outcome looked unknown had in fact succeeded. Nothing new is
+    /// recorded; the broker is still told to dead-letter it.
+    AlreadyDeadLettered,
+    /// Another consumer instance processed this message meanwhile: nothing recorded, the
+    /// delivery is a duplicate.
     AlreadyProcessed,
 }
 
 /// A database failure, classified.
 #[derive(Debug)]
 pub struct StoreError {
-    transient: bool,
+    kind: StoreErrorKind,
     source: Box<dyn std::error::Error + Send + Sync>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum StoreErrorKind {
+    Unavailable,
+    Contention,
+    Fatal,
+}
+
 impl StoreError {
-    /// A failure that may go away: connection lost, server restarting, serialization failure,
-    /// deadlock, lock or statement timeout, pool exhausted.
+    /// The database cannot be reached or cannot serve: connection lost, server restarting, pool
+    /// exhausted. The runtime pauses intake and retries with backoff.
     pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
-            transient: true,
+            kind: StoreErrorKind::Unavailable,
+            source: source.into(),
+        }
+    }
+
+    /// The database is fine but this transaction lost a race: serialization failure, deadlock,
+    /// lock or statement timeout, SQLite busy. The message is retried with backoff; intake goes
+    /// on.
+    pub fn contention(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError {
+            kind: StoreErrorKind::Contention,
             source: source.into(),
         }
     }
@@ -190,28 +221,68 @@ impl StoreError {
     /// consumer stops and reports it.
     pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
-            transient: false,
+            kind: StoreErrorKind::Fatal,
             source: source.into(),
         }
     }
 
     /// Whether the runtime should back off and retry.
     pub fn is_transient(&self) -> bool {
-        self.transient
+        self.kind != StoreErrorKind::Fatal
+    }
+
+    /// Whether the database itself is unavailable (as opposed to contention): intake pauses.
+    pub fn is_unavailable(&self) -> bool {
+        self.kind == StoreErrorKind::Unavailable
     }
 }
 
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.transient {
-            write!(f, "inbox database unavailable (will retry): {}", self.source)
-        } else {
-            write!(f, "inbox database error: {}", self.source)
+        match self.kind {
+            StoreErrorKind::Unavailable => {
+                write!(f, "inbox database unavailable (will retry): {}", self.source)
+            }
+            StoreErrorKind::Contention => {
+                write!(f, "inbox transaction contention (will retry): {}", self.source)
+            }
+            StoreErrorKind::Fatal => write!(f, "inbox database error: {}", self.source),
         }
     }
 }
 
 impl std::error::Error for StoreError {}
+
+/// What a store's `dead_letter` does when marking the inbox row changed nothing: the key is
+/// taken. `row` is the key's `(status, fingerprint)` as read after the failed mark.
+pub(crate) enum Taken {
+    /// Record the dead letter as a conflict, with this error text.
+    AsConflict(String),
+    /// Record nothing; report this outcome.
+    Skip(DeadLetterOutcome),
+}
+
+impl Taken {
+    pub(crate) fn decide(
+        row: Option<(String, Vec<u8>)>,
+        entry: &Entry<'_>,
+        error: &str,
+    ) -> Result<Taken, StoreError> {
+        match row {
+            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Taken::AsConflict(clean_text(&format!(
+                "message ID {} was taken by a different payload meanwhile; this one failed with: {error}",
+                entry.id
+            )))),
+            Some((status, _)) if status == InboxStatus::DeadLettered.as_str() => {
+                Ok(Taken::Skip(DeadLetterOutcome::AlreadyDeadLettered))
+            }
+            Some(_) => Ok(Taken::Skip(DeadLetterOutcome::AlreadyProcessed)),
+            None => Err(StoreError::contention(
+                "inbox row vanished while dead-lettering (concurrent purge)",
+            )),
+        }
+    }
+}
 
 /// Cuts `s` to at most [`MAX_ERROR_LEN`] bytes at a character boundary and drops NUL
 /// characters, which PostgreSQL text cannot hold.

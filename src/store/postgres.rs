@@ -8,8 +8,9 @@ use sqlx::{Postgres, Transaction};
 
 use super::{
     headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+    Taken,
 };
-use crate::source::Position;
+use crate::source::{DeadLetterReason, Position};
 
 /// The schema that holds txinbox's tables and its migration ledger.
 pub const SCHEMA: &str = "txinbox";
@@ -183,9 +184,25 @@ impl InboxStore for PostgresInbox {
                 InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
             )),
             // The row was purged between the two statements: retry the claim from scratch.
-            None => Err(StoreError::transient(
+            None => Err(StoreError::contention(
                 "inbox row vanished during claim (concurrent purge)",
             )),
+        }
+    }
+
+    async fn confirm(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
+        let found = sqlx::query_scalar::<_, i32>(
+            "SELECT 1 FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2 AND status = 'processed'",
+        )
+        .bind(entry.consumer)
+        .bind(entry.id.as_str())
+        .fetch_optional(conn)
+        .await;
+        match found {
+            Ok(row) => Ok(row.is_some()),
+            // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
+            Err(e) => Err(classify(e)),
         }
     }
 
@@ -217,18 +234,40 @@ impl InboxStore for PostgresInbox {
 
     async fn dead_letter(&self, r: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError> {
         let mut tx = self.pool.begin().await.map_err(classify)?;
-        if let Some(entry) = &r.entry {
-            if r.reason != crate::source::DeadLetterReason::Conflict {
-                let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
-                    .bind(r.error)
-                    .bind(r.attempts as i32)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(classify)?;
-                if marked.rows_affected() == 0 {
-                    // Processed (or dead-lettered) by another consumer since our attempt began.
-                    tx.rollback().await.map_err(classify)?;
-                    return Ok(DeadLetterOutcome::AlreadyProcessed);
+        let (mut reason, mut error, mut outcome) =
+            (r.reason, r.error.to_owned(), DeadLetterOutcome::Recorded);
+        if let Some(entry) = r
+            .entry
+            .as_ref()
+            .filter(|_| r.reason != DeadLetterReason::Conflict)
+        {
+            let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
+                .bind(r.error)
+                .bind(r.attempts as i32)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
+            if marked.rows_affected() == 0 {
+                let row = sqlx::query_as(
+                    "SELECT status, fingerprint FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2",
+                )
+                .bind(entry.consumer)
+                .bind(entry.id.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(classify)?;
+                match Taken::decide(row, entry, r.error)? {
+                    Taken::AsConflict(text) => {
+                        (reason, error, outcome) = (
+                            DeadLetterReason::Conflict,
+                            text,
+                            DeadLetterOutcome::RecordedAsConflict,
+                        )
+                    }
+                    Taken::Skip(outcome) => {
+                        tx.rollback().await.map_err(classify)?;
+                        return Ok(outcome);
+                    }
                 }
             }
         }
@@ -239,8 +278,8 @@ impl InboxStore for PostgresInbox {
             .bind(r.entry.as_ref().map(|e| e.id.as_str()))
             .bind(r.entry.as_ref().map(|e| e.id.strategy()))
             .bind(r.entry.as_ref().map(|e| &e.fingerprint[..]))
-            .bind(r.reason.as_str())
-            .bind(r.error)
+            .bind(reason.as_str())
+            .bind(&error)
             .bind(r.attempts as i32)
             .bind(&m.payload()[..])
             .bind(headers_json(m.headers()))
@@ -255,7 +294,7 @@ impl InboxStore for PostgresInbox {
             self.save_position(&mut *tx, r.consumer, p).await?;
         }
         tx.commit().await.map_err(classify)?;
-        Ok(DeadLetterOutcome::Recorded)
+        Ok(outcome)
     }
 
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
@@ -274,32 +313,30 @@ impl InboxStore for PostgresInbox {
     }
 }
 
-/// Sorts sqlx errors into transient (back off and retry) and fatal (stop and report).
+/// Sorts sqlx errors into unavailable (pause intake, retry), contention (retry the message)
+/// and fatal (stop and report).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
-    let transient = match &e {
+    match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => true,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            matches!(
-                &*code,
+        | sqlx::Error::Protocol(_) => StoreError::transient(e),
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some(code) if code.starts_with("08") // connection exceptions
+                || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
+                || code == "53300" // too_many_connections
+                => StoreError::transient(e),
+            Some(
                 "40001" // serialization_failure
                 | "40P01" // deadlock_detected
                 | "55P03" // lock_not_available (lock_timeout)
                 | "57014" // query_canceled (statement_timeout)
-                | "53300" // too_many_connections
-                | "25P03" // idle_in_transaction_session_timeout
-            ) || code.starts_with("08") // connection exceptions
-                || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
-        }),
-        _ => false,
-    };
-    if transient {
-        StoreError::transient(e)
-    } else {
-        StoreError::fatal(e)
+                | "25P03", // idle_in_transaction_session_timeout
+            ) => StoreError::contention(e),
+            _ => StoreError::fatal(e),
+        },
+        _ => StoreError::fatal(e),
     }
 }

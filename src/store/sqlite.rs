@@ -18,6 +18,7 @@ use sqlx::{Sqlite, Transaction};
 
 use super::{
     headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+    Taken,
 };
 use crate::source::{DeadLetterReason, Position};
 
@@ -169,10 +170,24 @@ impl InboxStore for SqliteInbox {
             Some((status, _)) => Ok(Claim::Duplicate(
                 InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
             )),
-            None => Err(StoreError::transient(
+            None => Err(StoreError::contention(
                 "inbox row vanished during claim (concurrent purge)",
             )),
         }
+    }
+
+    async fn confirm(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
+        // SQLite rolls back only a failed statement, not the transaction, but a handler can
+        // still end the transaction itself; the row tells.
+        let found = sqlx::query_scalar::<_, i32>(
+            "SELECT 1 FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2 AND status = 'processed'",
+        )
+        .bind(entry.consumer)
+        .bind(entry.id.as_str())
+        .fetch_optional(conn)
+        .await
+        .map_err(classify)?;
+        Ok(found.is_some())
     }
 
     async fn save_position(
@@ -203,17 +218,40 @@ impl InboxStore for SqliteInbox {
 
     async fn dead_letter(&self, r: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError> {
         let mut tx = self.begin().await?;
-        if let Some(entry) = &r.entry {
-            if r.reason != DeadLetterReason::Conflict {
-                let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
-                    .bind(r.error)
-                    .bind(r.attempts as i64)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(classify)?;
-                if marked.rows_affected() == 0 {
-                    tx.rollback().await.map_err(classify)?;
-                    return Ok(DeadLetterOutcome::AlreadyProcessed);
+        let (mut reason, mut error, mut outcome) =
+            (r.reason, r.error.to_owned(), DeadLetterOutcome::Recorded);
+        if let Some(entry) = r
+            .entry
+            .as_ref()
+            .filter(|_| r.reason != DeadLetterReason::Conflict)
+        {
+            let marked = bind_entry!(sqlx::query(MARK_DEAD), entry)
+                .bind(r.error)
+                .bind(r.attempts as i64)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
+            if marked.rows_affected() == 0 {
+                let row = sqlx::query_as(
+                    "SELECT status, fingerprint FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2",
+                )
+                .bind(entry.consumer)
+                .bind(entry.id.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(classify)?;
+                match Taken::decide(row, entry, r.error)? {
+                    Taken::AsConflict(text) => {
+                        (reason, error, outcome) = (
+                            DeadLetterReason::Conflict,
+                            text,
+                            DeadLetterOutcome::RecordedAsConflict,
+                        )
+                    }
+                    Taken::Skip(outcome) => {
+                        tx.rollback().await.map_err(classify)?;
+                        return Ok(outcome);
+                    }
                 }
             }
         }
@@ -224,8 +262,8 @@ impl InboxStore for SqliteInbox {
             .bind(r.entry.as_ref().map(|e| e.id.as_str()))
             .bind(r.entry.as_ref().map(|e| e.id.strategy()))
             .bind(r.entry.as_ref().map(|e| &e.fingerprint[..]))
-            .bind(r.reason.as_str())
-            .bind(r.error)
+            .bind(reason.as_str())
+            .bind(&error)
             .bind(r.attempts as i64)
             .bind(&m.payload()[..])
             .bind(headers_json(m.headers()).to_string())
@@ -240,7 +278,7 @@ impl InboxStore for SqliteInbox {
             self.save_position(&mut tx, r.consumer, p).await?;
         }
         self.commit(tx).await?;
-        Ok(DeadLetterOutcome::Recorded)
+        Ok(outcome)
     }
 
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
@@ -259,24 +297,20 @@ impl InboxStore for SqliteInbox {
     }
 }
 
-/// Transient: I/O, pool exhaustion, `SQLITE_BUSY`/`SQLITE_LOCKED` (another writer holds the
-/// lock past the busy timeout), `SQLITE_IOERR`, `SQLITE_FULL` (disk full: fail closed, retry
-/// once space is freed). Everything else (missing table, constraint) is fatal.
+/// Unavailable: I/O, pool exhaustion, `SQLITE_IOERR`, `SQLITE_FULL` (disk full: fail closed,
+/// retry once space is freed). Contention: `SQLITE_BUSY`/`SQLITE_LOCKED` (another writer held
+/// the lock past the busy timeout). Everything else (missing table, constraint) is fatal.
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
-    let transient = match &e {
+    match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|code| matches!(code & 0xff, 5 | 6 | 10 | 13)),
-        _ => false,
-    };
-    if transient {
-        StoreError::transient(e)
-    } else {
-        StoreError::fatal(e)
+        | sqlx::Error::WorkerCrashed => StoreError::transient(e),
+        sqlx::Error::Database(db) => match db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff) {
+            Some(5 | 6) => StoreError::contention(e),
+            Some(10 | 13) => StoreError::transient(e),
+            _ => StoreError::fatal(e),
+        },
+        _ => StoreError::fatal(e),
     }
 }

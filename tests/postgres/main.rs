@@ -900,3 +900,186 @@ async fn a_router_picks_the_handler_by_type_and_dead_letters_what_it_cannot_rout
             .unwrap();
     assert_eq!((id.as_str(), reason.as_str()), ("e3", "no_handler"));
 }
+
+mod review_regressions {
+    //! Each test here failed before the fix it names.
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use sqlx::Postgres;
+    use txinbox::{Context, Handler, Message};
+
+    use super::*;
+
+    /// Ignores a failed statement on its first attempt, which aborts the PostgreSQL
+    /// transaction; COMMIT then rolls back without reporting an error.
+    struct SwallowsErrors(DepositHandler);
+
+    #[txinbox::async_trait]
+    impl Handler<Postgres> for SwallowsErrors {
+        async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+            self.0.handle(cx, msg).await?;
+            if cx.attempt() == 1 {
+                let _ = sqlx::query("SELECT 1 / 0").execute(cx.db()).await; // error ignored
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_handler_that_swallows_a_database_error_is_not_acked_as_processed() {
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.publish("evt-1", deposit("alice", 10, "-", 0));
+        broker.close();
+        Consumer::builder("swallow")
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(SwallowsErrors(DepositHandler::default()))
+            .retry_policy(fast_retries())
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        assert_eq!(
+            db.balance("alice").await,
+            10,
+            "applied once, by the second attempt"
+        );
+        let attempts: i32 =
+            sqlx::query_scalar("SELECT attempts FROM txinbox.inbox WHERE message_id = 'evt-1'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(attempts, 2);
+    }
+
+    #[tokio::test]
+    async fn a_constraint_failing_at_commit_is_counted_and_dead_lettered_not_fatal() {
+        let db = TestDb::new(10).await;
+        sqlx::raw_sql(
+            "CREATE TABLE parents (id text PRIMARY KEY);
+             CREATE TABLE children (parent text REFERENCES parents DEFERRABLE INITIALLY DEFERRED);",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        struct Orphans(DepositHandler);
+        #[txinbox::async_trait]
+        impl Handler<Postgres> for Orphans {
+            async fn handle(
+                &self,
+                cx: &mut Context<'_, Postgres>,
+                msg: &Message,
+            ) -> Result<(), HandlerError> {
+                self.0.handle(cx, msg).await?;
+                if msg.native_id() == Some("orphan") {
+                    // Checked only at COMMIT.
+                    sqlx::query("INSERT INTO children VALUES ('nobody')")
+                        .execute(cx.db())
+                        .await?;
+                }
+                Ok(())
+            }
+        }
+        let broker = MemoryBroker::new("payments");
+        broker.publish_in_lane("l", "orphan", deposit("alice", 1, "l", 0));
+        broker.publish_in_lane("l", "fine", deposit("alice", 5, "l", 1));
+        broker.close();
+        Consumer::builder("deferred")
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(Orphans(DepositHandler::default()))
+            .retry_policy(fast_retries().max_attempts(3))
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .expect("a message that cannot commit does not stop the consumer");
+        assert_eq!(db.balance("alice").await, 5);
+        let (reason, attempts): (String, i32) =
+            sqlx::query_as("SELECT reason, attempts FROM txinbox.dead_letters WHERE message_id = 'orphan'")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!((reason.as_str(), attempts), ("attempts_exhausted", 3));
+    }
+
+    #[tokio::test]
+    async fn a_lane_does_not_overtake_a_delivery_left_unsettled_at_shutdown() {
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
+        broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
+        let handler = DepositHandler::failing(|m, _| {
+            (m.native_id() == Some("evt-0"))
+                .then(|| HandlerError::transient("later").retry_after(Duration::from_secs(30)))
+        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(
+            Consumer::builder("abandon")
+                .source(broker.source())
+                .inbox(db.inbox())
+                .handler(handler.clone())
+                .build()
+                .unwrap()
+                .run_until(async {
+                    let _ = stopped.await;
+                }),
+        );
+        while handler.calls() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await; // evt-0 is now waiting to retry
+        stop.send(()).unwrap();
+        run.await.unwrap().unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM effects").await,
+            0,
+            "evt-1 must not overtake evt-0"
+        );
+        assert_eq!(handler.calls(), 1);
+        assert_eq!(broker.pending(), 2, "both wait for redelivery");
+    }
+
+    #[tokio::test]
+    async fn a_lane_waiting_to_retry_does_not_hold_back_other_lanes() {
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        broker.publish_in_lane("a", "a-0", deposit("alice", 1, "a", 0));
+        for i in 0..5 {
+            broker.publish_in_lane("b", format!("b-{i}"), deposit("bob", 1, "b", i));
+        }
+        broker.close();
+        let first = Arc::new(AtomicUsize::new(0));
+        let seen = first.clone();
+        let handler = DepositHandler::failing(move |m, attempt| {
+            (m.native_id() == Some("a-0") && attempt == 1 && seen.fetch_add(1, Ordering::SeqCst) == 0)
+                .then(|| HandlerError::transient("slow down").retry_after(Duration::from_millis(1500)))
+        });
+        Consumer::builder("starve")
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(handler)
+            .concurrency(1)
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        let order: Vec<String> = sqlx::query_scalar("SELECT message_id FROM effects ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(order.len(), 6);
+        assert_eq!(
+            order.last().map(String::as_str),
+            Some("a-0"),
+            "lane b ran while a-0 waited: {order:?}"
+        );
+    }
+}
