@@ -115,6 +115,26 @@ pub enum Claim {
     Conflict,
 }
 
+impl Claim {
+    /// The outcome when the claim statement changed nothing, from the key's
+    /// `(status, fingerprint)` as read right after it.
+    pub(crate) fn from_existing(
+        row: Option<(String, Vec<u8>)>,
+        entry: &Entry<'_>,
+    ) -> Result<Claim, StoreError> {
+        match row {
+            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Claim::Conflict),
+            Some((status, _)) => Ok(Claim::Duplicate(
+                InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
+            )),
+            // The row was purged between the two statements: retry the claim from scratch.
+            None => Err(StoreError::contention(
+                "inbox row vanished during claim (concurrent purge)",
+            )),
+        }
+    }
+}
+
 /// The state of an inbox row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InboxStatus {

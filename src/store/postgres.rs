@@ -6,10 +6,7 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
-use super::{
-    headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
-    Taken,
-};
+use super::{headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::source::{DeadLetterReason, Position};
 
 /// The schema that holds txinbox's tables and its migration ledger.
@@ -178,16 +175,7 @@ impl InboxStore for PostgresInbox {
         .fetch_optional(&mut *conn)
         .await
         .map_err(classify)?;
-        match row {
-            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Claim::Conflict),
-            Some((status, _)) => Ok(Claim::Duplicate(
-                InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
-            )),
-            // The row was purged between the two statements: retry the claim from scratch.
-            None => Err(StoreError::contention(
-                "inbox row vanished during claim (concurrent purge)",
-            )),
-        }
+        Claim::from_existing(row, entry)
     }
 
     async fn confirm(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {

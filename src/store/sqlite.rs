@@ -16,10 +16,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Sqlite, Transaction};
 
-use super::{
-    headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
-    Taken,
-};
+use super::{headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::source::{DeadLetterReason, Position};
 
 /// The embedded SQLite migrations, with their ledger in `txinbox_sqlx_migrations`.
@@ -165,15 +162,7 @@ impl InboxStore for SqliteInbox {
         .fetch_optional(&mut *conn)
         .await
         .map_err(classify)?;
-        match row {
-            Some((_, fp)) if fp != entry.fingerprint[..] => Ok(Claim::Conflict),
-            Some((status, _)) => Ok(Claim::Duplicate(
-                InboxStatus::parse(&status).unwrap_or(InboxStatus::Processed),
-            )),
-            None => Err(StoreError::contention(
-                "inbox row vanished during claim (concurrent purge)",
-            )),
-        }
+        Claim::from_existing(row, entry)
     }
 
     async fn confirm(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
