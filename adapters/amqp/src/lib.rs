@@ -1,5 +1,98 @@
-//! AMQP / RabbitMQ source adapter for txinbox (lapin).
+//! **RabbitMQ (AMQP 0.9.1) source for txinbox, over lapin.**
 //!
-//! Not built yet: this crate reserves the name and the place in the workspace. The adapter itself
-//! (manual acks after commit, retry queue, dead-letter exchange, supervisor) is the AMQP issue's
-//! work. Until then use [`txinbox::MessageSource`] to see the contract it will implement.
+//! [`AmqpSource`] consumes one queue for a txinbox [`Consumer`](txinbox::Consumer): each
+//! delivery is acknowledged only after the inbox row and the handler's effects committed in one
+//! database transaction, so RabbitMQ's at-least-once delivery becomes effectively-once effects.
+//!
+//! ```no_run
+//! use txinbox::{Consumer, PostgresInbox};
+//! use txinbox_amqp::{AmqpConfig, AmqpSource};
+//! # struct MyHandler;
+//! # #[txinbox::async_trait]
+//! # impl txinbox::Handler<sqlx::Postgres> for MyHandler {
+//! #     async fn handle(&self, _: &mut txinbox::Context<'_, sqlx::Postgres>, _: &txinbox::Message)
+//! #         -> Result<(), txinbox::HandlerError> { Ok(()) }
+//! # }
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let config = AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments").prefetch(64);
+//! let source = AmqpSource::connect(config).await?;
+//! Consumer::builder("payments")
+//!     .source(source)
+//!     .inbox(PostgresInbox::new(pool))
+//!     .handler(MyHandler)
+//!     .build()?
+//!     .run()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # What happens on the broker
+//!
+//! | situation | RabbitMQ |
+//! |---|---|
+//! | processed, or a duplicate | `basic.ack` (never `multiple`), on the delivery's own channel |
+//! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue dead-letters the copy back to the work queue. Attempts are counted in the inbox database, not in `x-delivery-count` |
+//! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with headers `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked |
+//! | the ack (or a copy) does not reach the broker | `settle` fails; the message is redelivered and the inbox deduplicates it |
+//! | connection or channel lost, server `basic.cancel` | the supervisor reconnects with backoff, re-declares the topology, re-applies `basic.qos`, consumes again; deliveries of the old channel are never acked on the new one |
+//! | a delivery dropped unsettled | nothing is sent; redelivered when its channel closes |
+//!
+//! Dead-lettering publishes with confirms rather than rejecting to a dead-letter exchange: a
+//! classic queue's dead-lettering is at-most-once and cannot add the reason headers.
+//!
+//! # Message identity
+//!
+//! [`IdStrategy::Native`](txinbox::IdStrategy::Native) (the default) reads the `message_id`
+//! property. Other strategies work on the converted headers and payload:
+//! `IdStrategy::Header(name)`, `IdStrategy::CloudEvents` (AMQP binding headers
+//! `cloudEvents:id` / `cloudEvents_id`, or a structured JSON event), `IdStrategy::JsonPointer`.
+//! A message without an ID is dead-lettered with reason `missing_id`; the queue keeps flowing.
+//!
+//! Header values are bytes: strings as they are (UTF-8), byte arrays raw, numbers, booleans,
+//! decimals and timestamps in their decimal string form, arrays and tables as compact JSON.
+//!
+//! # Ordering
+//!
+//! Competing consumers by default: every delivery is [`Lane::Unordered`](txinbox::Lane). With
+//! [`AmqpConfig::lane_header`], deliveries carrying that header are processed in order per
+//! header value — within one consumer instance only, and not across a retry (a retried message
+//! comes back behind later ones).
+//!
+//! # Retry queue caveat
+//!
+//! RabbitMQ expires per-message TTLs only at the head of a queue: a retry with a short delay
+//! queued behind one with a long delay waits for it. The delay is a lower bound; with a
+//! [`RetryPolicy`](txinbox::RetryPolicy) whose `max_delay` is modest this stretches little.
+//!
+//! # Broker settings worth knowing
+//!
+//! - `consumer_timeout` (30 min by default): a delivery unacknowledged that long makes the
+//!   broker close the channel. Keep handlers far below it; the supervisor treats the close like
+//!   any loss.
+//! - On RabbitMQ 4.x quorum queues have a default `delivery-limit` of 20: declare the queue
+//!   yourself (`declare_topology(false)`) with an explicit limit if messages may be redelivered
+//!   often.
+//!
+//! # Observability
+//!
+//! Reconnects are logged with `tracing` (warn on loss, info on recovery); metrics go through
+//! the `metrics` facade, see [`telemetry`]. Nothing is installed by this crate. The URI's
+//! password is never logged.
+
+mod config;
+mod delivery;
+mod error;
+mod headers;
+mod source;
+pub mod telemetry;
+
+pub use config::{
+    AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_RECONNECT_MAX,
+    DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
+};
+pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
+pub use error::Error;
+pub use source::{AmqpMonitor, AmqpSource};
+
+/// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].
+pub use lapin;

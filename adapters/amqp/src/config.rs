@@ -1,0 +1,425 @@
+//! [`AmqpConfig`]: where to connect, what to consume, how to recover.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::Error;
+
+/// Default [`AmqpConfig::prefetch`].
+pub const DEFAULT_PREFETCH: u16 = 64;
+/// Default [`AmqpConfig::publish_timeout`].
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default [`AmqpConfig::connect_timeout`].
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default lower bound of [`AmqpConfig::reconnect_backoff`].
+pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
+/// Default upper bound of [`AmqpConfig::reconnect_backoff`].
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+/// Default [`AmqpConfig::requeue_delay`].
+pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(5);
+
+/// AMQP names (queues, consumer tags, headers) are AMQP short strings: at most 255 bytes.
+const MAX_SHORT_STRING: usize = 255;
+
+/// Configuration of an [`AmqpSource`](crate::AmqpSource).
+///
+/// Built with [`AmqpConfig::new`] and the builder methods; checked by
+/// [`validate`](AmqpConfig::validate) (which [`AmqpSource::connect`](crate::AmqpSource::connect)
+/// calls). `Debug` prints the URI with its password replaced by `***`; the URI is never logged.
+///
+/// | setting | default |
+/// |---|---|
+/// | [`prefetch`](Self::prefetch) | 64 (`basic.qos`, per consumer, re-applied on every reconnect) |
+/// | [`consumer_tag`](Self::consumer_tag) | `txinbox-<pid>-<n>` |
+/// | [`declare_topology`](Self::declare_topology) | `true`: work queue, `<queue>.retry`, `<queue>.dlq`, all durable |
+/// | [`retry_queue`](Self::retry_queue) | `<queue>.retry` |
+/// | [`dead_letter_queue`](Self::dead_letter_queue) | `<queue>.dlq` |
+/// | [`lane_header`](Self::lane_header) | none: competing consumers, no ordering |
+/// | [`reconnect_backoff`](Self::reconnect_backoff) | 100 ms doubling to 10 s, with jitter |
+/// | [`connect_timeout`](Self::connect_timeout) | 10 s |
+/// | [`publish_timeout`](Self::publish_timeout) | 10 s (publish + broker confirm of a retry or dead-letter copy) |
+/// | [`requeue_delay`](Self::requeue_delay) | 5 s |
+#[derive(Clone)]
+pub struct AmqpConfig {
+    pub(crate) uri: String,
+    pub(crate) queue: String,
+    pub(crate) prefetch: u16,
+    pub(crate) consumer_tag: Option<String>,
+    pub(crate) declare_topology: bool,
+    pub(crate) retry_queue: Option<String>,
+    pub(crate) dead_letter_queue: Option<String>,
+    pub(crate) lane_header: Option<String>,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) publish_timeout: Duration,
+    pub(crate) requeue_delay: Duration,
+    pub(crate) connection_name: Option<String>,
+}
+
+impl AmqpConfig {
+    /// Consume `queue` on the broker at `uri`.
+    ///
+    /// `uri` is an AMQP URI: `amqp://user:password@host:5672/%2f` (the vhost `/` is written
+    /// `%2f`), or `amqps://…` for TLS, verified against the system's root certificates. Query
+    /// parameters `heartbeat` (seconds), `connection_timeout` (ms), `frame_max` and
+    /// `channel_max` are understood.
+    pub fn new(uri: impl Into<String>, queue: impl Into<String>) -> Self {
+        AmqpConfig {
+            uri: uri.into(),
+            queue: queue.into(),
+            prefetch: DEFAULT_PREFETCH,
+            consumer_tag: None,
+            declare_topology: true,
+            retry_queue: None,
+            dead_letter_queue: None,
+            lane_header: None,
+            reconnect_min: DEFAULT_RECONNECT_MIN,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            requeue_delay: DEFAULT_REQUEUE_DELAY,
+            connection_name: None,
+        }
+    }
+
+    /// How many unacknowledged deliveries the broker may push to this consumer (`basic.qos`
+    /// prefetch count, applied before `basic.consume` and again after every reconnect). It is
+    /// the ceiling of the consumer's concurrency: set it at least to the `Consumer`'s
+    /// `concurrency`, better to its `max_in_flight` or a few times the concurrency.
+    /// 1 to 65535; default 64.
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n;
+        self
+    }
+
+    /// The consumer tag, shown in the management UI. Default `txinbox-<pid>-<n>`.
+    pub fn consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.consumer_tag = Some(tag.into());
+        self
+    }
+
+    /// The connection name shown in the management UI (client property `connection_name`).
+    /// Default `txinbox:<queue>`.
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    /// Whether to declare the topology on every (re)connect (default `true`):
+    ///
+    /// - the work queue: durable, no arguments;
+    /// - the retry queue: durable, `x-dead-letter-exchange = ""` and
+    ///   `x-dead-letter-routing-key = <queue>`, so a copy whose per-message TTL expires goes
+    ///   back to the work queue through the default exchange;
+    /// - the dead-letter queue: durable, no arguments.
+    ///
+    /// Turn it off when the queues are managed elsewhere (or the work queue has other
+    /// arguments, e.g. a quorum queue: a declaration with different arguments fails with
+    /// `PRECONDITION_FAILED`). The retry and dead-letter queues must then exist with the
+    /// arguments above.
+    pub fn declare_topology(mut self, declare: bool) -> Self {
+        self.declare_topology = declare;
+        self
+    }
+
+    /// The retry queue. Default `<queue>.retry`.
+    pub fn retry_queue(mut self, name: impl Into<String>) -> Self {
+        self.retry_queue = Some(name.into());
+        self
+    }
+
+    /// The dead-letter queue. Default `<queue>.dlq`.
+    pub fn dead_letter_queue(mut self, name: impl Into<String>) -> Self {
+        self.dead_letter_queue = Some(name.into());
+        self
+    }
+
+    /// Processes messages carrying this header in order per header value
+    /// ([`Lane::Ordered`](txinbox::Lane)); messages without it are unordered. Default: none,
+    /// every message unordered (competing consumers).
+    ///
+    /// The order holds only **within one consumer instance** (RabbitMQ spreads a queue across
+    /// its consumers) and only for messages that do **not** go through the retry queue (a
+    /// retried message comes back behind later ones). For a strict per-key order use a single
+    /// consumer instance and let the retry policy dead-letter rather than retry, or a
+    /// partitioned broker.
+    pub fn lane_header(mut self, header: impl Into<String>) -> Self {
+        self.lane_header = Some(header.into());
+        self
+    }
+
+    /// Delay between reconnect attempts: starts at `min`, doubles up to `max`, each with
+    /// jitter (50–100 %). Default 100 ms to 10 s.
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Longest wait for a TCP + AMQP handshake. Default 10 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Longest wait for publishing a retry or dead-letter copy and its publisher confirm
+    /// (lapin #409: a publish can hang when the server goes away), and for sending an ack.
+    /// On timeout the original is not acknowledged; it is redelivered and the inbox
+    /// deduplicates. Default 10 s.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// When the broker refuses a retry or dead-letter copy (unroutable, negatively confirmed,
+    /// timed out) while the channel is still open, the original is given back with
+    /// `basic.nack(requeue)` after this delay (for a retry: after the retry's delay, if that is
+    /// longer), so a broken topology never becomes a hot loop nor a stuck delivery.
+    /// Default 5 s.
+    pub fn requeue_delay(mut self, delay: Duration) -> Self {
+        self.requeue_delay = delay;
+        self
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The retry queue's name.
+    pub fn retry_queue_name(&self) -> String {
+        self.retry_queue
+            .clone()
+            .unwrap_or_else(|| format!("{}.retry", self.queue))
+    }
+
+    /// The dead-letter queue's name.
+    pub fn dead_letter_queue_name(&self) -> String {
+        self.dead_letter_queue
+            .clone()
+            .unwrap_or_else(|| format!("{}.dlq", self.queue))
+    }
+
+    pub(crate) fn connection_name_or_default(&self) -> String {
+        self.connection_name
+            .clone()
+            .unwrap_or_else(|| format!("txinbox:{}", self.queue))
+    }
+
+    /// The URI with its password replaced by `***`, for logs and `Debug`.
+    pub fn redacted_uri(&self) -> String {
+        redact_uri(&self.uri)
+    }
+
+    /// Checks the configuration; the error says what to change.
+    pub fn validate(&self) -> Result<(), Error> {
+        let err = |m: String| Err(Error::Config(m));
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            return err(format!(
+                "AmqpConfig uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
+                self.redacted_uri()
+            ));
+        }
+        let short = |what: &str, v: &str| -> Result<(), Error> {
+            if v.is_empty() {
+                return Err(Error::Config(format!("AmqpConfig {what} must not be empty")));
+            }
+            if v.len() > MAX_SHORT_STRING {
+                return Err(Error::Config(format!(
+                    "AmqpConfig {what} is {} bytes long; AMQP names are at most {MAX_SHORT_STRING} bytes",
+                    v.len()
+                )));
+            }
+            Ok(())
+        };
+        short("queue", &self.queue)?;
+        if self.queue.starts_with("amq.") && self.declare_topology {
+            return err(format!(
+                "AmqpConfig queue {:?}: names starting with `amq.` are reserved by the broker; pick another name or use declare_topology(false)",
+                self.queue
+            ));
+        }
+        let retry = self.retry_queue_name();
+        let dlq = self.dead_letter_queue_name();
+        short("retry_queue", &retry)?;
+        short("dead_letter_queue", &dlq)?;
+        if retry == self.queue || dlq == self.queue || retry == dlq {
+            return err(format!(
+                "AmqpConfig queue ({:?}), retry_queue ({retry:?}) and dead_letter_queue ({dlq:?}) must be three different queues",
+                self.queue
+            ));
+        }
+        if let Some(tag) = &self.consumer_tag {
+            short("consumer_tag", tag)?;
+        }
+        if let Some(h) = &self.lane_header {
+            short("lane_header", h)?;
+        }
+        if self.prefetch == 0 {
+            return err(
+                "AmqpConfig prefetch must be at least 1 (0 would mean unlimited: the broker would push the whole queue)"
+                    .into(),
+            );
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_min > self.reconnect_max {
+            return err(format!(
+                "AmqpConfig reconnect_backoff: min ({:?}) must be above zero and at most max ({:?})",
+                self.reconnect_min, self.reconnect_max
+            ));
+        }
+        for (what, d) in [
+            ("connect_timeout", self.connect_timeout),
+            ("publish_timeout", self.publish_timeout),
+            ("requeue_delay", self.requeue_delay),
+        ] {
+            if d.is_zero() {
+                return err(format!("AmqpConfig {what} must be above zero"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for AmqpConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpConfig")
+            .field("uri", &self.redacted_uri())
+            .field("queue", &self.queue)
+            .field("prefetch", &self.prefetch)
+            .field("consumer_tag", &self.consumer_tag)
+            .field("declare_topology", &self.declare_topology)
+            .field("retry_queue", &self.retry_queue_name())
+            .field("dead_letter_queue", &self.dead_letter_queue_name())
+            .field("lane_header", &self.lane_header)
+            .field("reconnect_backoff", &(self.reconnect_min, self.reconnect_max))
+            .field("connect_timeout", &self.connect_timeout)
+            .field("publish_timeout", &self.publish_timeout)
+            .field("requeue_delay", &self.requeue_delay)
+            .finish()
+    }
+}
+
+/// Replaces the password of `scheme://user:password@host…` with `***`.
+pub(crate) fn redact_uri(uri: &str) -> String {
+    let Some(scheme_end) = uri.find("://") else {
+        return uri.to_owned();
+    };
+    let rest = &uri[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let Some(at) = authority.rfind('@') else {
+        return uri.to_owned();
+    };
+    let userinfo = &authority[..at];
+    match userinfo.find(':') {
+        Some(colon) => format!(
+            "{}{}:***{}",
+            &uri[..scheme_end + 3],
+            &userinfo[..colon],
+            &rest[at..]
+        ),
+        None => uri.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const URI: &str = "amqp://guest:s3cret@127.0.0.1:5672/%2f";
+
+    #[test]
+    fn defaults_are_valid_and_derive_queue_names() {
+        let c = AmqpConfig::new(URI, "payments");
+        c.validate().unwrap();
+        assert_eq!(c.retry_queue_name(), "payments.retry");
+        assert_eq!(c.dead_letter_queue_name(), "payments.dlq");
+        assert_eq!(c.prefetch, DEFAULT_PREFETCH);
+    }
+
+    #[test]
+    fn password_never_shows_in_debug() {
+        let c = AmqpConfig::new(URI, "payments");
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("s3cret"), "{dbg}");
+        assert!(dbg.contains("amqp://guest:***@127.0.0.1:5672/%2f"), "{dbg}");
+        assert_eq!(
+            redact_uri("amqps://u:p@h/v?heartbeat=5"),
+            "amqps://u:***@h/v?heartbeat=5"
+        );
+        assert_eq!(redact_uri("amqp://h:5672/%2f"), "amqp://h:5672/%2f");
+        assert_eq!(redact_uri("amqp://user@h"), "amqp://user@h");
+        assert_eq!(redact_uri("a:b@c"), "a:b@c");
+        // An '@' inside the password: everything up to the last '@' of the authority is secret.
+        assert_eq!(redact_uri("amqp://u:p@ss@h/x"), "amqp://u:***@h/x");
+    }
+
+    fn invalid(c: AmqpConfig, needle: &str) {
+        match c.validate() {
+            Err(Error::Config(m)) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
+            other => panic!("expected a config error mentioning {needle:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn invalid_settings_say_what_to_change() {
+        invalid(AmqpConfig::new("http://x", "q"), "amqp://");
+        let bad = AmqpConfig::new("amqp://guest:s3cret@host:notaport/%2f", "q");
+        let msg = format!("{:?}", bad.validate().unwrap_err());
+        assert!(
+            msg.contains("not an AMQP URI") && !msg.contains("s3cret"),
+            "{msg}"
+        );
+        invalid(AmqpConfig::new(URI, ""), "queue must not be empty");
+        invalid(AmqpConfig::new(URI, "x".repeat(256)), "at most 255 bytes");
+        invalid(
+            AmqpConfig::new(URI, "q").prefetch(0),
+            "prefetch must be at least 1",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").retry_queue("q"),
+            "three different queues",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").retry_queue("z").dead_letter_queue("z"),
+            "three different queues",
+        );
+        invalid(AmqpConfig::new(URI, "amq.q"), "reserved");
+        AmqpConfig::new(URI, "amq.q")
+            .declare_topology(false)
+            .validate()
+            .unwrap();
+        invalid(
+            AmqpConfig::new(URI, "q").lane_header(""),
+            "lane_header must not be empty",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").consumer_tag("t".repeat(300)),
+            "consumer_tag",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").reconnect_backoff(Duration::from_secs(5), Duration::from_secs(1)),
+            "reconnect_backoff",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").reconnect_backoff(Duration::ZERO, Duration::from_secs(1)),
+            "reconnect_backoff",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").publish_timeout(Duration::ZERO),
+            "publish_timeout",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").connect_timeout(Duration::ZERO),
+            "connect_timeout",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").requeue_delay(Duration::ZERO),
+            "requeue_delay",
+        );
+        AmqpConfig::new("amqps://u:p@broker.example:5671/vh?heartbeat=10", "q")
+            .validate()
+            .unwrap();
+    }
+}

@@ -1,0 +1,49 @@
+//! [`Error`]: what can go wrong while configuring or connecting.
+
+use std::fmt;
+
+/// A configuration or broker error from [`AmqpSource::connect`](crate::AmqpSource::connect).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration is invalid; the message says what to change.
+    Config(String),
+    /// The broker refused or could not be reached.
+    Broker {
+        /// What was being done: `connect`, `declare queue`, `basic.consume`, …
+        context: String,
+        /// Whether retrying cannot help (bad credentials, unknown vhost or queue, a queue
+        /// declared with other arguments).
+        fatal: bool,
+        /// The driver's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl Error {
+    /// Whether retrying cannot help.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            Error::Config(_) => true,
+            Error::Broker { fatal, .. } => *fatal,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Config(m) => write!(f, "invalid AMQP configuration: {m}"),
+            Error::Broker { context, source, .. } => write!(f, "AMQP {context} failed: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Config(_) => None,
+            Error::Broker { source, .. } => Some(&**source),
+        }
+    }
+}

@@ -1,0 +1,512 @@
+//! [`AmqpSource`] and the supervisor task that owns the connection.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, DropGuard};
+use txinbox::{async_trait, Capabilities, IdStrategy, MessageSource, RetryMode, SourceError};
+
+use crate::config::AmqpConfig;
+use crate::delivery::AmqpDelivery;
+use crate::error::Error;
+use crate::telemetry;
+
+/// How often the supervisor checks the connection and channel state, besides watching the
+/// consumer stream.
+const STATUS_CHECK: Duration = Duration::from_millis(500);
+/// Longest wait for a graceful `basic.cancel` / `channel.close` / `connection.close`.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// State shared by the source, its supervisor and every delivery.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) queue: Arc<str>,
+    pub(crate) retry_queue: ShortString,
+    pub(crate) dead_letter_queue: ShortString,
+    pub(crate) lane_header: Option<String>,
+    pub(crate) publish_timeout: Duration,
+    pub(crate) requeue_delay: Duration,
+    pub(crate) monitor: AmqpMonitor,
+}
+
+impl Shared {
+    pub(crate) fn counter(
+        &self,
+        name: &'static str,
+        labels: &[(&'static str, &'static str)],
+    ) -> metrics::Counter {
+        let mut all = vec![metrics::Label::new("queue", self.queue.to_string())];
+        all.extend(labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)));
+        metrics::counter!(name, all)
+    }
+}
+
+/// One connection + channel + consumer. Deliveries carry their generation; once it is marked
+/// dead nothing is sent on its channel any more.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    pub(crate) id: u64,
+    pub(crate) channel: Channel,
+    alive: AtomicBool,
+}
+
+impl Generation {
+    pub(crate) fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst) && self.channel.status().connected()
+    }
+}
+
+/// Connection health of one [`AmqpSource`], for readiness checks and tests. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct AmqpMonitor {
+    inner: Arc<MonitorState>,
+}
+
+#[derive(Debug, Default)]
+struct MonitorState {
+    connected: AtomicBool,
+    generation: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl AmqpMonitor {
+    /// Whether a consumer is registered on a live channel right now.
+    pub fn is_connected(&self) -> bool {
+        self.inner.connected.load(Ordering::SeqCst)
+    }
+
+    /// The current connection generation: 1 for the first connection, +1 per reconnect.
+    pub fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::SeqCst)
+    }
+
+    /// How many times the connection, channel or consumer was rebuilt.
+    pub fn reconnects(&self) -> u64 {
+        self.inner.reconnects.load(Ordering::SeqCst)
+    }
+}
+
+/// A RabbitMQ queue consumer for a txinbox [`Consumer`](txinbox::Consumer).
+///
+/// - [`receive`](MessageSource::receive) is cancellation safe: deliveries arrive through a
+///   channel fed by a supervisor task, and leave it only when returned.
+/// - Acks are single (`multiple = false`), sent only when the runtime settles after its
+///   commit, and only on the channel the delivery came from.
+/// - The supervisor rebuilds connection, channel, topology, QoS and consumer with backoff after
+///   any loss (connection closed or dropped, channel error, server `basic.cancel`). Deliveries
+///   of the lost channel can no longer be acked: the broker redelivers them and the inbox turns
+///   the redelivery into a duplicate.
+/// - Errors that retrying cannot fix (refused credentials or vhost, a missing queue when the
+///   topology is not declared, a queue declared with other arguments) end the reconnect loop:
+///   `receive` returns a fatal [`SourceError`] and the consumer stops.
+/// - A delivery dropped without being settled sends nothing; the broker redelivers it when the
+///   channel closes (at the latest at [`close`](MessageSource::close) or on a reconnect).
+///
+/// Capabilities: `system = "rabbitmq"`, [`RetryMode::Redeliver`] (retry queue),
+/// [`IdStrategy::Native`] (the `message_id` property).
+#[derive(Debug)]
+pub struct AmqpSource {
+    rx: mpsc::UnboundedReceiver<Result<AmqpDelivery, SourceError>>,
+    shutdown: CancellationToken,
+    _stop_on_drop: DropGuard,
+    supervisor: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+static TAGS: AtomicU64 = AtomicU64::new(0);
+
+impl AmqpSource {
+    /// Validates `config`, connects, declares the topology (if configured), applies QoS and
+    /// starts consuming; from then on a supervisor task keeps the subscription alive.
+    ///
+    /// The first connection must succeed (so bad credentials or an unreachable broker show
+    /// up at startup); later losses are recovered without a restart. Must be called within a
+    /// Tokio runtime.
+    pub async fn connect(config: AmqpConfig) -> Result<AmqpSource, Error> {
+        config.validate()?;
+        telemetry::describe();
+        let shared = Arc::new(Shared {
+            queue: config.queue.as_str().into(),
+            retry_queue: ShortString::from(config.retry_queue_name()),
+            dead_letter_queue: ShortString::from(config.dead_letter_queue_name()),
+            lane_header: config.lane_header.clone(),
+            publish_timeout: config.publish_timeout,
+            requeue_delay: config.requeue_delay,
+            monitor: AmqpMonitor::default(),
+        });
+        let tag = config.consumer_tag.clone().unwrap_or_else(|| {
+            format!(
+                "txinbox-{}-{}",
+                std::process::id(),
+                TAGS.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        let mut supervisor = Supervisor {
+            config,
+            tag,
+            shared: shared.clone(),
+            tx: None,
+            shutdown: CancellationToken::new(),
+        };
+        let session = supervisor.setup(1).await?;
+        supervisor.went_up(&session, None);
+        let (tx, rx) = mpsc::unbounded_channel();
+        supervisor.tx = Some(tx);
+        let shutdown = supervisor.shutdown.clone();
+        let handle = tokio::spawn(supervisor.run(session));
+        Ok(AmqpSource {
+            rx,
+            _stop_on_drop: shutdown.clone().drop_guard(),
+            shutdown,
+            supervisor: Some(handle),
+            shared,
+        })
+    }
+
+    /// A handle on the connection's health.
+    pub fn monitor(&self) -> AmqpMonitor {
+        self.shared.monitor.clone()
+    }
+}
+
+#[async_trait]
+impl MessageSource for AmqpSource {
+    type Delivery = AmqpDelivery;
+
+    /// Cancellation safe (an mpsc receive). Deliveries whose channel was lost while they waited
+    /// here are dropped: the broker has already requeued them.
+    async fn receive(&mut self) -> Result<Option<AmqpDelivery>, SourceError> {
+        loop {
+            match self.rx.recv().await {
+                Some(Ok(d)) if !d.generation_alive() => {
+                    self.shared.counter(telemetry::STALE_DROPPED, &[]).increment(1);
+                    continue;
+                }
+                Some(Ok(d)) => return Ok(Some(d)),
+                Some(Err(e)) => return Err(e),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            system: "rabbitmq",
+            retry: RetryMode::Redeliver,
+            default_id_strategy: IdStrategy::Native,
+        }
+    }
+
+    /// Cancels the consumer and closes channel and connection. Deliveries still buffered (not
+    /// returned by `receive`) are requeued by the broker when the channel closes.
+    async fn close(mut self) -> Result<(), SourceError> {
+        self.shutdown.cancel();
+        self.rx.close();
+        if let Some(handle) = self.supervisor.take() {
+            match tokio::time::timeout(3 * CLOSE_TIMEOUT, handle).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(SourceError::fatal(format!("AMQP supervisor task failed: {e}"))),
+                Err(_) => return Err(SourceError::fatal("closing the AMQP connection timed out")),
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Session {
+    conn: Connection,
+    consumer: lapin::Consumer,
+    generation: Arc<Generation>,
+}
+
+enum End {
+    Shutdown,
+    Lost(String),
+}
+
+struct Supervisor {
+    config: AmqpConfig,
+    tag: String,
+    shared: Arc<Shared>,
+    tx: Option<mpsc::UnboundedSender<Result<AmqpDelivery, SourceError>>>,
+    shutdown: CancellationToken,
+}
+
+impl Supervisor {
+    async fn run(self, mut session: Session) {
+        loop {
+            let end = self.serve(&mut session).await;
+            self.went_down(&session);
+            let reason = match end {
+                End::Shutdown => {
+                    self.close_gracefully(session).await;
+                    return;
+                }
+                End::Lost(reason) => reason,
+            };
+            let lost_gen = session.generation.id;
+            tracing::warn!(
+                queue = %self.shared.queue,
+                generation = lost_gen,
+                %reason,
+                "AMQP consumer lost; reconnecting (unacknowledged deliveries will be redelivered and deduplicated)"
+            );
+            abandon(session).await;
+            let lost_at = Instant::now();
+            let mut attempt = 0u32;
+            session = loop {
+                attempt += 1;
+                let setup = tokio::select! {
+                    _ = self.shutdown.cancelled() => return,
+                    s = self.setup(lost_gen + 1) => s,
+                };
+                match setup {
+                    Ok(s) => break s,
+                    Err(e) if e.is_fatal() => {
+                        tracing::error!(queue = %self.shared.queue, error = %e, "AMQP reconnect failed for good; stopping the source");
+                        if let Some(tx) = &self.tx {
+                            let _ = tx.send(Err(SourceError::fatal(e)));
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        let delay = self.backoff(attempt);
+                        tracing::warn!(queue = %self.shared.queue, attempt, error = %e, ?delay, "AMQP reconnect failed; retrying");
+                        tokio::select! {
+                            _ = self.shutdown.cancelled() => return,
+                            _ = tokio::time::sleep(delay) => {}
+                        }
+                    }
+                }
+            };
+            self.went_up(&session, Some(lost_at.elapsed()));
+        }
+    }
+
+    /// Forwards deliveries until shutdown or a loss.
+    async fn serve(&self, session: &mut Session) -> End {
+        let Some(tx) = &self.tx else {
+            return End::Shutdown;
+        };
+        let mut check = tokio::time::interval(STATUS_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => return End::Shutdown,
+                next = session.consumer.next() => match next {
+                    Some(Ok(d)) => {
+                        let delivery = AmqpDelivery::new(d, session.generation.clone(), self.shared.clone());
+                        if tx.send(Ok(delivery)).is_err() {
+                            return End::Shutdown;
+                        }
+                    }
+                    Some(Err(e)) => return End::Lost(format!("consumer error: {e}")),
+                    None => {
+                        return End::Lost(
+                            "the broker cancelled the consumer (basic.cancel: queue deleted, or a failover)".into(),
+                        )
+                    }
+                },
+                _ = check.tick() => {
+                    if !session.conn.status().connected() {
+                        return End::Lost("connection closed".into());
+                    }
+                    if !session.generation.channel.status().connected() {
+                        return End::Lost("channel closed".into());
+                    }
+                }
+            }
+        }
+    }
+
+    fn went_up(&self, session: &Session, downtime: Option<Duration>) {
+        let m = &self.shared.monitor.inner;
+        m.generation.store(session.generation.id, Ordering::SeqCst);
+        m.connected.store(true, Ordering::SeqCst);
+        metrics::gauge!(telemetry::CONNECTED, "queue" => self.shared.queue.to_string()).set(1.0);
+        if let Some(downtime) = downtime {
+            m.reconnects.fetch_add(1, Ordering::SeqCst);
+            self.shared.counter(telemetry::RECONNECTS, &[]).increment(1);
+            tracing::info!(
+                queue = %self.shared.queue,
+                generation = session.generation.id,
+                ?downtime,
+                "AMQP consumer reconnected; QoS re-applied, consuming again"
+            );
+        } else {
+            tracing::info!(queue = %self.shared.queue, uri = %self.config.redacted_uri(), "AMQP consumer started");
+        }
+    }
+
+    fn went_down(&self, session: &Session) {
+        session.generation.alive.store(false, Ordering::SeqCst);
+        self.shared.monitor.inner.connected.store(false, Ordering::SeqCst);
+        metrics::gauge!(telemetry::CONNECTED, "queue" => self.shared.queue.to_string()).set(0.0);
+    }
+
+    fn backoff(&self, attempt: u32) -> Duration {
+        let (min, max) = (self.config.reconnect_min, self.config.reconnect_max);
+        let ceiling = min
+            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
+            .min(max);
+        ceiling.mul_f64(0.5 + fastrand::f64() / 2.0)
+    }
+
+    /// Connects and subscribes: connection, channel, topology, confirms, QoS, consume.
+    async fn setup(&self, generation: u64) -> Result<Session, Error> {
+        let c = &self.config;
+        let props =
+            ConnectionProperties::default().with_connection_name(c.connection_name_or_default().into());
+        let conn = match tokio::time::timeout(c.connect_timeout, Connection::connect(&c.uri, props)).await {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return Err(classify("connect", e)),
+            Err(_) => {
+                return Err(Error::Broker {
+                    context: "connect".into(),
+                    fatal: false,
+                    source: format!("no connection within {:?} (connect_timeout)", c.connect_timeout).into(),
+                })
+            }
+        };
+        let subscribed = tokio::time::timeout(c.connect_timeout, self.subscribe(&conn)).await;
+        let (channel, consumer) = match subscribed {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), conn.close(200, "setup failed".into()))
+                    .await;
+                return Err(e);
+            }
+            Err(_) => {
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(1), conn.close(200, "setup timed out".into()))
+                        .await;
+                return Err(Error::Broker {
+                    context: "channel setup".into(),
+                    fatal: false,
+                    source: format!("not done within {:?} (connect_timeout)", c.connect_timeout).into(),
+                });
+            }
+        };
+        Ok(Session {
+            conn,
+            consumer,
+            generation: Arc::new(Generation {
+                id: generation,
+                channel,
+                alive: AtomicBool::new(true),
+            }),
+        })
+    }
+
+    async fn subscribe(&self, conn: &Connection) -> Result<(Channel, lapin::Consumer), Error> {
+        let c = &self.config;
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(|e| classify("channel.open", e))?;
+        if c.declare_topology {
+            let durable = QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            };
+            let declare = |name: ShortString, args: FieldTable| {
+                let channel = &channel;
+                async move {
+                    channel
+                        .queue_declare(name.clone(), durable, args)
+                        .await
+                        .map_err(|e| classify(&format!("queue.declare {name}"), e))
+                }
+            };
+            declare(c.queue.as_str().into(), FieldTable::default()).await?;
+            let mut retry_args = FieldTable::default();
+            retry_args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+            retry_args.insert(
+                "x-dead-letter-routing-key".into(),
+                AMQPValue::LongString(c.queue.as_str().into()),
+            );
+            declare(self.shared.retry_queue.clone(), retry_args).await?;
+            declare(self.shared.dead_letter_queue.clone(), FieldTable::default()).await?;
+        }
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| classify("confirm.select", e))?;
+        // QoS before consume, on every new channel (lapin < 4.12.1 dropped it on recovery; we
+        // never rely on lapin's recovery anyway).
+        channel
+            .basic_qos(c.prefetch, BasicQosOptions { global: false })
+            .await
+            .map_err(|e| classify("basic.qos", e))?;
+        let consumer = channel
+            .basic_consume(
+                c.queue.as_str().into(),
+                self.tag.as_str().into(),
+                BasicConsumeOptions {
+                    no_ack: false,
+                    ..BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| classify(&format!("basic.consume on {}", c.queue), e))?;
+        Ok((channel, consumer))
+    }
+
+    async fn close_gracefully(&self, session: Session) {
+        let channel = &session.generation.channel;
+        let steps = async {
+            let _ = channel
+                .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+            let _ = channel.close(200, "consumer closed".into()).await;
+            let _ = session.conn.close(200, "consumer closed".into()).await;
+        };
+        if tokio::time::timeout(CLOSE_TIMEOUT, steps).await.is_err() {
+            tracing::warn!(queue = %self.shared.queue, "closing the AMQP connection timed out");
+        }
+        tracing::info!(queue = %self.shared.queue, "AMQP consumer closed");
+    }
+}
+
+/// Closes what is left of a lost session, briefly; errors are expected and ignored.
+async fn abandon(session: Session) {
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        session.conn.close(200, "reconnecting".into()),
+    )
+    .await;
+}
+
+/// Whether retrying can help: refused credentials or vhost, unknown queue, a queue declared
+/// with other arguments are fatal; everything else (I/O, connection forced, timeouts) is not.
+fn classify(context: &str, e: lapin::Error) -> Error {
+    let fatal = match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => matches!(
+            amqp.kind(),
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                | AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+                | AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+                | AMQPErrorKind::Hard(AMQPHardError::INVALIDPATH)
+                | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+        ),
+        lapin::ErrorKind::InvalidProtocolVersion(_) | lapin::ErrorKind::AuthProviderError(_) => true,
+        _ => false,
+    };
+    Error::Broker {
+        context: context.to_owned(),
+        fatal,
+        source: Box::new(e),
+    }
+}

@@ -1,0 +1,53 @@
+//! Metric names of the AMQP adapter. Everything goes through the `metrics` facade; nothing is
+//! installed. Every metric carries a `queue` label (the work queue).
+//!
+//! | metric | kind | meaning |
+//! |---|---|---|
+//! | `txinbox_amqp_reconnects_total` | counter | a lost connection, channel or consumer was rebuilt |
+//! | `txinbox_amqp_connected` | gauge | 1 while a consumer is registered, else 0 |
+//! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel`, `not_sent` (lapin returned `Ok(false)`), `error`, `timeout`. The message is redelivered and deduplicated |
+//! | `txinbox_amqp_publish_failures_total` | counter | a retry or dead-letter copy was not confirmed; labels `kind` (`retry`, `dead_letter`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
+//! | `txinbox_amqp_published_total` | counter | retry or dead-letter copies confirmed by the broker; label `kind` |
+//! | `txinbox_amqp_requeued_total` | counter | originals given back with `basic.nack(requeue)` after a failed copy |
+//! | `txinbox_amqp_stale_dropped_total` | counter | deliveries of a lost channel dropped before reaching the runtime (the broker redelivers them) |
+
+/// Counter: connection/channel/consumer rebuilt.
+pub const RECONNECTS: &str = "txinbox_amqp_reconnects_total";
+/// Gauge: 1 while consuming.
+pub const CONNECTED: &str = "txinbox_amqp_connected";
+/// Counter: acks not sent, by `cause`.
+pub const ACK_NOT_SENT: &str = "txinbox_amqp_ack_not_sent_total";
+/// Counter: unconfirmed retry/dead-letter copies, by `kind` and `cause`.
+pub const PUBLISH_FAILURES: &str = "txinbox_amqp_publish_failures_total";
+/// Counter: confirmed retry/dead-letter copies, by `kind`.
+pub const PUBLISHED: &str = "txinbox_amqp_published_total";
+/// Counter: originals requeued after a failed copy.
+pub const REQUEUED: &str = "txinbox_amqp_requeued_total";
+/// Counter: deliveries of a lost channel dropped before the runtime saw them.
+pub const STALE_DROPPED: &str = "txinbox_amqp_stale_dropped_total";
+
+pub(crate) fn describe() {
+    use metrics::{describe_counter, describe_gauge};
+    describe_counter!(
+        RECONNECTS,
+        "AMQP connection, channel or consumer rebuilt after a loss"
+    );
+    describe_gauge!(CONNECTED, "1 while the AMQP consumer is registered");
+    describe_counter!(
+        ACK_NOT_SENT,
+        "Acks after commit that were not sent (the message is redelivered and deduplicated)"
+    );
+    describe_counter!(
+        PUBLISH_FAILURES,
+        "Retry or dead-letter copies not confirmed by the broker"
+    );
+    describe_counter!(PUBLISHED, "Retry or dead-letter copies confirmed by the broker");
+    describe_counter!(
+        REQUEUED,
+        "Originals requeued after a retry or dead-letter copy failed"
+    );
+    describe_counter!(
+        STALE_DROPPED,
+        "Deliveries of a lost channel dropped before processing (redelivered by the broker)"
+    );
+}

@@ -1,0 +1,529 @@
+//! The AMQP adapter against a real RabbitMQ and PostgreSQL: exactly-once effects under
+//! duplicates, competing consumers, forced connection closes and a broker restart; delayed
+//! retries; dead letters with reason headers.
+//!
+//! Needs `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`), `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`, a role that may create databases) and
+//! `rabbitmqctl` as root for the fault-injection tests; `scripts/test` provides them.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use txinbox::HandlerError;
+use txinbox_amqp::{AmqpConfig, AmqpSource, Error};
+
+use support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_messages_with_duplicates_and_three_competing_consumers_apply_exactly_once() {
+    let _suite = exclusive().await;
+    let db = TestDb::new(30).await;
+    let queue = TestQueue::new("bulk").await;
+    // 10,000 unique IDs; every 5th published twice: 12,000 messages, 20 % duplicate IDs.
+    let (messages, total) = deposits("bulk", 10_000, 5);
+    assert_eq!(messages.len(), 12_000);
+    queue.publish_all(&messages).await;
+
+    let handler = DepositHandler::default();
+    let spec = Spec {
+        name: "bulk",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 8,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let started = Instant::now();
+    let mut consumers = Vec::new();
+    for i in 0..3 {
+        consumers.push(start(&spec, queue.config(32), &probe, i).await);
+    }
+    // Without faults every delivery is settled exactly once.
+    wait_until(Duration::from_secs(120), "12,000 deliveries settled", || async {
+        probe.get(&probe.settled_ok) >= 12_000
+    })
+    .await;
+    let elapsed = started.elapsed();
+    for c in consumers {
+        c.stop().await;
+    }
+
+    db.assert_exactly_once(10_000).await;
+    assert_eq!(
+        total_balance(&db).await,
+        total,
+        "balances add up to the unique deposits"
+    );
+    assert_eq!(handler.calls(), 10_000, "the handler never ran for a duplicate");
+    let per_consumer: Vec<usize> = (0..3)
+        .map(|i| {
+            probe
+                .receive_times
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(c, _)| *c == i)
+                .count()
+        })
+        .collect();
+    assert!(
+        per_consumer.iter().all(|n| *n > 0),
+        "all three consumers competed: {per_consumer:?}"
+    );
+    assert_eq!(probe.get(&probe.settle_failed), 0);
+    assert_eq!(queue.ready().await, 0, "the queue is empty at the end");
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 0);
+    eprintln!("12,000 deliveries over 3 consumers in {elapsed:?} ({per_consumer:?})");
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_force_closed_mid_stream_recover_without_restart_and_stay_exactly_once() {
+    let _suite = exclusive().await;
+    let db = TestDb::new(20).await;
+    let queue = TestQueue::new("forced").await;
+    let (messages, total) = deposits("forced", 3_000, 5);
+    queue.publish_all(&messages).await;
+
+    // Slow enough that the stream is still running when the connections are cut.
+    let handler = DepositHandler::default().holding(Duration::from_millis(25));
+    let spec = Spec {
+        name: "forced",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 4,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let a = start(&spec, queue.config(16), &probe, 0).await;
+    let b = start(&spec, queue.config(16), &probe, 1).await;
+
+    let mut closes = 0;
+    for round in 1..=3 {
+        let before = db.scalar("SELECT count(*) FROM effects").await;
+        wait_until(
+            Duration::from_secs(30),
+            "progress before the next forced close",
+            || async { db.scalar("SELECT count(*) FROM effects").await >= before + 100 },
+        )
+        .await;
+        let done = db.scalar("SELECT count(*) FROM effects").await;
+        assert!(
+            done < 3_000,
+            "round {round}: the connections are cut mid-stream ({done} done)"
+        );
+        let closed = tokio::task::spawn_blocking({
+            let marker = queue.conn_prefix.clone();
+            move || close_connections(&marker)
+        })
+        .await
+        .unwrap();
+        assert!(
+            closed >= 1,
+            "round {round}: found the consumers' connections to close"
+        );
+        closes += closed;
+        // Both sources come back by themselves: same Consumer, same process.
+        wait_until(Duration::from_secs(20), "both sources reconnected", || async {
+            a.monitor.reconnects() >= round
+                && b.monitor.reconnects() >= round
+                && a.monitor.is_connected()
+                && b.monitor.is_connected()
+        })
+        .await;
+    }
+    wait_settled(&db, &queue, &probe, 3_000, Duration::from_secs(90)).await;
+    let (ra, rb) = (a.monitor.reconnects(), b.monitor.reconnects());
+    a.stop().await;
+    b.stop().await;
+
+    db.assert_exactly_once(3_000).await;
+    assert_eq!(total_balance(&db).await, total);
+    assert_eq!(queue.ready().await, 0, "nothing left in the queue");
+    assert!(
+        ra >= 3 && rb >= 3,
+        "each source reconnected after each close: {ra}, {rb}"
+    );
+    eprintln!(
+        "{closes} connections closed; reconnects {ra} + {rb}; {} settlements failed (stale channel) and were redelivered as duplicates",
+        probe.get(&probe.settle_failed)
+    );
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_stopped_and_started_mid_stream_recovers_and_stays_exactly_once() {
+    let _suite = exclusive().await;
+    let db = TestDb::new(20).await;
+    let queue = TestQueue::new("restart").await;
+    let (messages, total) = deposits("restart", 1_500, 5);
+    queue.publish_all(&messages).await;
+
+    let handler = DepositHandler::default().holding(Duration::from_millis(20));
+    let spec = Spec {
+        name: "restart",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 4,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let a = start(&spec, queue.config(16), &probe, 0).await;
+    let b = start(&spec, queue.config(16), &probe, 1).await;
+    wait_until(
+        Duration::from_secs(30),
+        "some progress before the restart",
+        || async { db.scalar("SELECT count(*) FROM effects").await >= 200 },
+    )
+    .await;
+
+    let stopped = tokio::task::spawn_blocking(StoppedBroker::stop).await.unwrap();
+    let at_stop = db.scalar("SELECT count(*) FROM effects").await;
+    assert!(at_stop < 1_500, "the broker stopped mid-stream ({at_stop} done)");
+    wait_until(
+        Duration::from_secs(10),
+        "the sources notice the broker is gone",
+        || async { !a.monitor.is_connected() && !b.monitor.is_connected() },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::task::spawn_blocking(move || stopped.start())
+        .await
+        .unwrap();
+
+    wait_until(Duration::from_secs(30), "both sources reconnected", || async {
+        a.monitor.is_connected() && b.monitor.is_connected()
+    })
+    .await;
+    wait_settled(&db, &queue, &probe, 1_500, Duration::from_secs(90)).await;
+    let (ra, rb) = (a.monitor.reconnects(), b.monitor.reconnects());
+    a.stop().await;
+    b.stop().await;
+
+    db.assert_exactly_once(1_500).await;
+    assert_eq!(total_balance(&db).await, total);
+    assert_eq!(queue.ready().await, 0, "nothing left in the queue");
+    assert!(ra >= 1 && rb >= 1, "both sources reconnected: {ra}, {rb}");
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_lettered() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("retry").await;
+    const DELAY: Duration = Duration::from_millis(1500);
+    let handler = DepositHandler::failing(|m, attempt| match m.native_id() {
+        Some("flaky") if attempt == 1 => Some(HandlerError::transient("downstream busy").retry_after(DELAY)),
+        Some("poison") => Some(HandlerError::permanent("account is closed")),
+        _ => None,
+    });
+    let spec = Spec {
+        name: "retry",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 4,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let consumer = start(&spec, queue.config(8), &probe, 0).await;
+    queue
+        .publish_all(&[
+            (Some("flaky".into()), deposit("alice", 10)),
+            (Some("poison".into()), deposit("bob", 99)),
+            (Some("fine".into()), deposit("carol", 1)),
+        ])
+        .await;
+
+    wait_settled(&db, &queue, &probe, 2, Duration::from_secs(30)).await;
+    consumer.stop().await;
+
+    let starts = handler.starts_of("flaky");
+    assert_eq!(starts.len(), 2, "one failure, one retry: {starts:?}");
+    let gap = starts[1].at - starts[0].at;
+    assert!(gap >= DELAY, "the retry waited its delay: {gap:?} < {DELAY:?}");
+    assert!(
+        gap < DELAY + Duration::from_secs(10),
+        "and did not wait far longer: {gap:?}"
+    );
+    assert_eq!(
+        (starts[0].attempt, starts[1].attempt),
+        (1, 2),
+        "attempts counted in Postgres"
+    );
+    assert_eq!(starts[0].retry_header, None);
+    assert_eq!(
+        starts[1].retry_header.as_deref(),
+        Some("1"),
+        "the retry copy is marked"
+    );
+    assert_eq!(db.balance("alice").await, 10, "the retried deposit applied once");
+    assert_eq!(db.balance("carol").await, 1);
+    assert_eq!(db.balance("bob").await, 0, "the poison message had no effect");
+    assert_eq!(
+        handler.starts_of("poison").len(),
+        1,
+        "a permanent failure is not retried"
+    );
+
+    let dlq = queue.drain_dlq().await;
+    assert_eq!(
+        dlq.len(),
+        1,
+        "exactly the poison message is dead-lettered: {dlq:?}"
+    );
+    let (id, headers) = &dlq[0];
+    assert_eq!(id.as_deref(), Some("poison"), "the message ID is kept");
+    assert_eq!(
+        headers.get("x-txinbox-reason").map(String::as_str),
+        Some("permanent_error")
+    );
+    assert_eq!(
+        headers.get("x-txinbox-error").map(String::as_str),
+        Some("account is closed")
+    );
+    assert_eq!(
+        headers.get("x-txinbox-original-queue").map(String::as_str),
+        Some(queue.name.as_str())
+    );
+    let (reason,): (String,) =
+        sqlx::query_as("SELECT reason FROM txinbox.dead_letters WHERE message_id = 'poison'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reason, "permanent_error", "recorded in the database too");
+    assert_eq!(queue.stats_of(&format!("{}.retry", queue.name)).await.0, 0);
+    assert_eq!(queue.ready().await, 0);
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_id_delivered_to_two_consumers_at_the_same_time_has_one_effect() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("race").await;
+    // The handler keeps its transaction open, so the second claim blocks on the unique index
+    // until the first commits, and then finds a duplicate.
+    const HOLD: Duration = Duration::from_millis(800);
+    let handler = DepositHandler::default().holding(HOLD);
+    let spec = Spec {
+        name: "race",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 1,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let a = start(&spec, queue.config(1), &probe, 0).await;
+    let b = start(&spec, queue.config(1), &probe, 1).await;
+    wait_until(Duration::from_secs(10), "both consumers registered", || async {
+        queue.stats_of(&queue.name).await.1 == 2
+    })
+    .await;
+    let payload = deposit("alice", 10);
+    queue
+        .publish_all(&[
+            (Some("evt-1".into()), payload.clone()),
+            (Some("evt-1".into()), payload),
+        ])
+        .await;
+    wait_until(Duration::from_secs(20), "both deliveries settled", || async {
+        probe.get(&probe.settled_ok) == 2
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+
+    let times = probe.receive_times.lock().unwrap().clone();
+    assert_eq!(times.len(), 2);
+    assert_ne!(times[0].0, times[1].0, "each consumer got one copy");
+    let apart = if times[0].1 > times[1].1 {
+        times[0].1 - times[1].1
+    } else {
+        times[1].1 - times[0].1
+    };
+    assert!(apart < HOLD, "the two deliveries overlapped ({apart:?} apart)");
+    assert_eq!(db.balance("alice").await, 10, "the deposit applied once");
+    db.assert_exactly_once(1).await;
+    assert_eq!(handler.calls(), 1, "the duplicate never ran the handler");
+    assert_eq!(queue.ready().await, 0);
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_without_id_is_dead_lettered_as_missing_id_and_the_queue_keeps_flowing() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("noid").await;
+    let handler = DepositHandler::default();
+    let spec = Spec {
+        name: "noid",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 2,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let consumer = start(&spec, queue.config(8), &probe, 0).await;
+    queue
+        .publish_all(&[
+            (Some("a".into()), deposit("alice", 1)),
+            (None, deposit("alice", 100)),
+            (Some("c".into()), deposit("alice", 2)),
+        ])
+        .await;
+    wait_settled(&db, &queue, &probe, 2, Duration::from_secs(20)).await;
+    consumer.stop().await;
+
+    assert_eq!(
+        db.balance("alice").await,
+        3,
+        "the messages around it were processed"
+    );
+    assert_eq!(handler.calls(), 2, "the handler never saw the message without ID");
+    let dlq = queue.drain_dlq().await;
+    assert_eq!(dlq.len(), 1, "{dlq:?}");
+    assert_eq!(dlq[0].0, None);
+    assert_eq!(
+        dlq[0].1.get("x-txinbox-reason").map(String::as_str),
+        Some("missing_id")
+    );
+    assert!(dlq[0].1["x-txinbox-error"].contains("native"), "{:?}", dlq[0].1);
+    assert_eq!(queue.ready().await, 0);
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_side_consumer_cancel_is_recovered_by_resubscribing() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("cancel").await;
+    let spec = Spec {
+        name: "cancel",
+        db: &db,
+        handler: DepositHandler::default(),
+        concurrency: 2,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let consumer = start(&spec, queue.config(8), &probe, 0).await;
+    queue
+        .publish_all(&[(Some("before".into()), deposit("alice", 1))])
+        .await;
+    wait_settled(&db, &queue, &probe, 1, Duration::from_secs(20)).await;
+
+    // Deleting the queue makes the broker send basic.cancel: the consumer stream ends. The
+    // supervisor re-declares the queue and consumes again.
+    {
+        let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.queue_delete(queue.name.as_str().into(), Default::default())
+            .await
+            .unwrap();
+        let _ = conn.close(200, "done".into()).await;
+    }
+    wait_until(Duration::from_secs(20), "the source resubscribed", || async {
+        consumer.monitor.reconnects() >= 1 && consumer.monitor.is_connected()
+    })
+    .await;
+    queue
+        .publish_all(&[(Some("after".into()), deposit("alice", 2))])
+        .await;
+    wait_settled(&db, &queue, &probe, 2, Duration::from_secs(20)).await;
+    consumer.stop().await;
+    assert_eq!(db.balance("alice").await, 3);
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn bad_credentials_fail_at_connect_without_leaking_the_password() {
+    let _suite = shared().await;
+    let url = amqp_url().replacen("guest:guest@", "guest:wr0ng-s3cret@", 1);
+    if url == amqp_url() {
+        return; // a custom AMQP_URL without the default credentials: nothing to corrupt
+    }
+    let err = AmqpSource::connect(AmqpConfig::new(url, unique("creds")))
+        .await
+        .expect_err("wrong password is refused");
+    assert!(matches!(err, Error::Broker { .. }), "{err:?}");
+    assert!(err.is_fatal(), "retrying cannot fix credentials: {err}");
+    assert!(!format!("{err} {err:?}").contains("wr0ng-s3cret"), "{err:?}");
+    let invalid = AmqpSource::connect(AmqpConfig::new(amqp_url(), "q").prefetch(0))
+        .await
+        .expect_err("invalid config");
+    assert!(matches!(invalid, Error::Config(_)) && invalid.is_fatal());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_retry_copy_leaves_the_original_unacked_and_requeues_it_after_a_delay() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("noretryq").await;
+    // A broken topology: the retry queue is missing and the source does not declare it.
+    {
+        let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.queue_delete(
+            format!("{}.retry", queue.name).as_str().into(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+        let _ = conn.close(200, "done".into()).await;
+    }
+    const REQUEUE: Duration = Duration::from_millis(400);
+    let handler = DepositHandler::failing(|_, attempt| {
+        (attempt == 1)
+            .then(|| HandlerError::transient("downstream busy").retry_after(Duration::from_millis(50)))
+    });
+    let spec = Spec {
+        name: "noretryq",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 2,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let config = queue.config(4).declare_topology(false).requeue_delay(REQUEUE);
+    let consumer = start(&spec, config, &probe, 0).await;
+    queue
+        .publish_all(&[(Some("flaky".into()), deposit("alice", 7))])
+        .await;
+    wait_settled(&db, &queue, &probe, 1, Duration::from_secs(20)).await;
+    consumer.stop().await;
+
+    let starts = handler.starts_of("flaky");
+    assert_eq!(starts.len(), 2, "{starts:?}");
+    let gap = starts[1].at - starts[0].at;
+    assert!(
+        gap >= REQUEUE,
+        "requeued after requeue_delay, not at once: {gap:?}"
+    );
+    assert_eq!(
+        starts[1].retry_header, None,
+        "the second attempt is the original, requeued"
+    );
+    assert_eq!(
+        probe.get(&probe.settle_failed),
+        1,
+        "the unconfirmed retry copy failed the settlement"
+    );
+    assert_eq!(db.balance("alice").await, 7);
+    db.assert_exactly_once(1).await;
+    assert_eq!(queue.ready().await, 0);
+    queue.delete().await;
+    db.drop_db().await;
+}

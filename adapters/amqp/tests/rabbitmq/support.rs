@@ -1,0 +1,786 @@
+//! Test support: a fresh database per test, a non-idempotent deposit handler, a queue per test
+//! with a confirming publisher, a probe around the source, and `rabbitmqctl` fault injection.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::process::Command;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{ConnectOptions, Executor, Postgres};
+use txinbox::{
+    async_trait, Capabilities, Consumer, Context, Delivery, Handler, HandlerError, Lane, Message,
+    MessageSource, RetryPolicy, SettleError, Settlement, SourceError,
+};
+use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// A name unique to this test process and call: `txinbox-amqp-t-<pid>-<n>-<what>`.
+pub fn unique(what: &str) -> String {
+    format!(
+        "txinbox-amqp-t-{}-{}-{what}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test isolation: tests that restart the broker or load the machine run alone.
+
+static SUITE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held by tests that may run alongside others.
+pub async fn shared() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    SUITE.read().await
+}
+
+/// Held by tests that disturb the broker or need the machine for themselves.
+pub async fn exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    SUITE.write().await
+}
+
+// ---------------------------------------------------------------------------------------------
+// PostgreSQL
+
+/// A database created for one test, with txinbox migrated and the demo tables created.
+pub struct TestDb {
+    pub pool: PgPool,
+    name: String,
+}
+
+static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+impl TestDb {
+    pub async fn new(max_connections: u32) -> TestDb {
+        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
+        let name = format!(
+            "txinbox_amqp_t_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let mut conn = admin
+            .connect()
+            .await
+            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
+        CLEANED
+            .get_or_init(|| async {
+                // Databases left by earlier runs of this suite (a failed test keeps its own).
+                let stale: Vec<String> = sqlx::query_scalar(
+                    "SELECT datname FROM pg_database WHERE datname LIKE 'txinbox\\_amqp\\_t\\_%' AND datname NOT LIKE $1",
+                )
+                .bind(format!("txinbox_amqp_t_{}_%", std::process::id()))
+                .fetch_all(&mut admin.connect().await.unwrap())
+                .await
+                .unwrap();
+                let mut c = admin.connect().await.unwrap();
+                for db in stale {
+                    let _ = c
+                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
+                        .await;
+                }
+            })
+            .await;
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
+            .await
+            .expect("connect to the test database");
+        txinbox::migrate(&pool).await.expect("migrate");
+        pool.execute(
+            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
+             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);",
+        )
+        .await
+        .unwrap();
+        TestDb { pool, name }
+    }
+
+    pub fn inbox(&self) -> txinbox::PostgresInbox {
+        txinbox::PostgresInbox::new(self.pool.clone())
+    }
+
+    pub async fn scalar(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+
+    pub async fn balance(&self, account: &str) -> i64 {
+        sqlx::query_scalar("SELECT coalesce((SELECT balance FROM accounts WHERE id = $1), 0)")
+            .bind(account)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Effects are exactly once: one row per message ID, none twice.
+    pub async fn assert_exactly_once(&self, unique_ids: i64) {
+        let (rows, distinct): (i64, i64) =
+            sqlx::query_as("SELECT count(*), count(DISTINCT message_id) FROM effects")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+        assert_eq!(
+            distinct, unique_ids,
+            "every unique message ID has an effect (none lost)"
+        );
+        assert_eq!(rows, unique_ids, "no message ID has two effects (none doubled)");
+    }
+
+    /// Drops the database (at the end of a passing test).
+    pub async fn drop_db(self) {
+        self.pool.close().await;
+        let admin: PgConnectOptions = admin_url().parse().unwrap();
+        let mut c = admin.connect().await.unwrap();
+        let _ = c
+            .execute(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            )))
+            .await;
+    }
+}
+
+/// A deposit event as the tests publish it.
+pub fn deposit(account: &str, amount: i64) -> String {
+    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
+}
+
+#[derive(serde::Deserialize)]
+struct Deposit {
+    account: String,
+    amount: i64,
+}
+
+type FailFn = dyn Fn(&Message, u32) -> Option<HandlerError> + Send + Sync;
+
+/// One start of the handler.
+#[derive(Debug, Clone)]
+pub struct Start {
+    pub id: String,
+    pub at: Instant,
+    pub attempt: u32,
+    pub retry_header: Option<String>,
+}
+
+/// A non-idempotent handler: `balance += amount`, plus one `effects` row per application.
+#[derive(Clone)]
+pub struct DepositHandler {
+    pub calls: Arc<AtomicUsize>,
+    fail: Arc<FailFn>,
+    hold: Duration,
+    pub starts: Arc<Mutex<Vec<Start>>>,
+}
+
+impl Default for DepositHandler {
+    fn default() -> Self {
+        DepositHandler {
+            calls: Arc::default(),
+            fail: Arc::new(|_, _| None),
+            hold: Duration::ZERO,
+            starts: Arc::default(),
+        }
+    }
+}
+
+impl DepositHandler {
+    pub fn failing(f: impl Fn(&Message, u32) -> Option<HandlerError> + Send + Sync + 'static) -> Self {
+        DepositHandler {
+            fail: Arc::new(f),
+            ..Default::default()
+        }
+    }
+
+    /// Keeps the transaction open this long after writing the effect.
+    pub fn holding(mut self, d: Duration) -> Self {
+        self.hold = d;
+        self
+    }
+
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    pub fn starts_of(&self, id: &str) -> Vec<Start> {
+        self.starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.id == id)
+            .cloned()
+            .collect()
+    }
+}
+
+#[async_trait]
+impl Handler<Postgres> for DepositHandler {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.starts.lock().unwrap().push(Start {
+            id: cx.message_id().to_string(),
+            at: Instant::now(),
+            attempt: cx.attempt(),
+            retry_header: msg
+                .headers()
+                .get_str(txinbox_amqp::RETRY_HEADER)
+                .map(str::to_owned),
+        });
+        if let Some(e) = (self.fail)(msg, cx.attempt()) {
+            return Err(e);
+        }
+        let d: Deposit = msg.json()?;
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(&d.account)
+        .bind(d.amount)
+        .execute(cx.db())
+        .await?;
+        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
+            .bind(cx.message_id().as_str())
+            .bind(d.amount)
+            .execute(cx.db())
+            .await?;
+        if !self.hold.is_zero() {
+            tokio::time::sleep(self.hold).await;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RabbitMQ
+
+/// A work queue (plus its `.retry` and `.dlq`) for one test, and a confirming publisher.
+pub struct TestQueue {
+    pub name: String,
+    /// Connection name prefix of this test's consumers (for `close_connections`).
+    pub conn_prefix: String,
+    conn: Connection,
+    channel: Channel,
+}
+
+static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+impl TestQueue {
+    pub async fn new(what: &str) -> TestQueue {
+        let name = unique(what);
+        let conn = Connection::connect(
+            &amqp_url(),
+            ConnectionProperties::default().with_connection_name(format!("{name}-publisher").into()),
+        )
+        .await
+        .expect("connect to AMQP_URL (is RabbitMQ running? scripts/test starts it)");
+        let channel = conn.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        SWEPT.get_or_init(|| sweep_stale_queues(&channel)).await;
+        // Declared up front so publishing before the first consumer is not lost.
+        for q in [name.clone(), format!("{name}.retry"), format!("{name}.dlq")] {
+            let args = if q.ends_with(".retry") {
+                retry_args(&name)
+            } else {
+                FieldTable::default()
+            };
+            channel
+                .queue_declare(
+                    q.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args,
+                )
+                .await
+                .unwrap();
+        }
+        TestQueue {
+            conn_prefix: format!("{name}-consumer"),
+            name,
+            conn,
+            channel,
+        }
+    }
+
+    /// A source config for this queue with fast reconnects; its connection name carries
+    /// `conn_prefix` so the test can close exactly its consumers' connections.
+    pub fn config(&self, prefetch: u16) -> AmqpConfig {
+        AmqpConfig::new(amqp_url(), &self.name)
+            .prefetch(prefetch)
+            .connection_name(unique(&self.conn_prefix))
+            .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+            .publish_timeout(Duration::from_secs(5))
+    }
+
+    /// Publishes persistent messages `(message_id, payload)` and waits for every confirm.
+    pub async fn publish_all(&self, messages: &[(Option<String>, String)]) {
+        let mut confirms = Vec::with_capacity(messages.len());
+        for (id, payload) in messages {
+            let mut props = BasicProperties::default().with_delivery_mode(2);
+            if let Some(id) = id {
+                props = props.with_message_id(id.as_str().into());
+            }
+            confirms.push(
+                self.channel
+                    .basic_publish(
+                        ShortString::default(),
+                        self.name.as_str().into(),
+                        BasicPublishOptions::default(),
+                        payload.as_bytes(),
+                        props,
+                    )
+                    .await
+                    .expect("publish"),
+            );
+        }
+        for c in confirms {
+            assert!(
+                c.await.expect("publisher confirm").is_ack(),
+                "broker confirmed the publish"
+            );
+        }
+    }
+
+    /// `(ready messages, consumers)` of `queue`, through a passive declare on a fresh channel.
+    pub async fn stats_of(&self, queue: &str) -> (u32, u32) {
+        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("connect for queue stats");
+        let ch = conn.create_channel().await.unwrap();
+        let q = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue exists");
+        let _ = conn.close(200, "done".into()).await;
+        (q.message_count(), q.consumer_count())
+    }
+
+    pub async fn ready(&self) -> u32 {
+        self.stats_of(&self.name).await.0
+    }
+
+    /// Takes every message of the dead-letter queue: `(message_id, headers as strings)`.
+    pub async fn drain_dlq(&self) -> Vec<(Option<String>, HashMap<String, String>)> {
+        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let mut out = Vec::new();
+        while let Some(m) = ch
+            .basic_get(
+                format!("{}.dlq", self.name).as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+        {
+            let props = &m.delivery.properties;
+            let headers = props
+                .headers()
+                .as_ref()
+                .map(|t| {
+                    t.inner()
+                        .iter()
+                        .filter_map(|(k, v)| match v {
+                            AMQPValue::LongString(s) => {
+                                Some((k.to_string(), String::from_utf8_lossy(s.as_bytes()).into_owned()))
+                            }
+                            AMQPValue::LongLongInt(i) => Some((k.to_string(), i.to_string())),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push((props.message_id().as_ref().map(|s| s.to_string()), headers));
+        }
+        let _ = conn.close(200, "done".into()).await;
+        out
+    }
+
+    /// Deletes the three queues.
+    pub async fn delete(self) {
+        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        for q in [
+            self.name.clone(),
+            format!("{}.retry", self.name),
+            format!("{}.dlq", self.name),
+        ] {
+            let _ = ch
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = conn.close(200, "done".into()).await;
+        let _ = self.conn.close(200, "done".into()).await;
+    }
+}
+
+fn retry_args(queue: &str) -> FieldTable {
+    let mut t = FieldTable::default();
+    t.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+    t.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(queue.into()),
+    );
+    t
+}
+
+/// Deletes queues left by earlier runs of this suite (a failed test keeps its own).
+async fn sweep_stale_queues(channel: &Channel) {
+    let Ok(out) = Command::new("rabbitmqctl")
+        .args(["-q", "list_queues", "--no-table-headers", "name"])
+        .output()
+    else {
+        return;
+    };
+    let mine = format!("txinbox-amqp-t-{}-", std::process::id());
+    for name in String::from_utf8_lossy(&out.stdout).lines().map(str::trim) {
+        if name.starts_with("txinbox-amqp-t-") && !name.starts_with(&mine) {
+            let _ = channel
+                .queue_delete(name.into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl (as root; scripts/test installs RabbitMQ)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Force-closes every broker connection whose client properties mention `marker` (as
+/// `rabbitmqctl close_connection` does to a misbehaving client). Returns how many.
+pub fn close_connections(marker: &str) -> usize {
+    let list = rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ]);
+    // In parallel: each rabbitmqctl call takes a while to start.
+    let closing: Vec<_> = list
+        .lines()
+        .filter(|l| l.contains(marker))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter_map(|pid| {
+            Command::new("rabbitmqctl")
+                .args(["-q", "close_connection", pid, "txinbox test: forced close"])
+                .spawn()
+                .ok()
+        })
+        .collect();
+    let n = closing.len();
+    for mut child in closing {
+        // The connection may be gone already; that is fine.
+        let _ = child.wait();
+    }
+    n
+}
+
+/// Stops the RabbitMQ application (the node stays up); the guard starts it again even when
+/// the test fails.
+pub struct StoppedBroker {
+    started: bool,
+}
+
+impl StoppedBroker {
+    pub fn stop() -> StoppedBroker {
+        rabbitmqctl(&["-q", "stop_app"]);
+        StoppedBroker { started: false }
+    }
+
+    pub fn start(mut self) {
+        self.start_now();
+    }
+
+    fn start_now(&mut self) {
+        if !self.started {
+            self.started = true;
+            rabbitmqctl(&["-q", "start_app"]);
+            rabbitmqctl(&["-q", "-t", "60", "await_startup"]);
+        }
+    }
+}
+
+impl Drop for StoppedBroker {
+    fn drop(&mut self) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.start_now()));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A probe around a source: counts receives and settlements, records receive times.
+
+#[derive(Debug, Default)]
+pub struct Probe {
+    pub received: AtomicU64,
+    pub settled_ok: AtomicU64,
+    pub settle_failed: AtomicU64,
+    pub in_flight: AtomicI64,
+    pub receive_times: Mutex<Vec<(usize, Instant)>>,
+}
+
+impl Probe {
+    pub fn get(&self, c: &AtomicU64) -> u64 {
+        c.load(Ordering::SeqCst)
+    }
+}
+
+pub struct Probed<S> {
+    inner: S,
+    probe: Arc<Probe>,
+    idx: usize,
+}
+
+pub struct ProbedDelivery<D> {
+    inner: Option<D>,
+    probe: Arc<Probe>,
+}
+
+#[async_trait]
+impl<S: MessageSource> MessageSource for Probed<S> {
+    type Delivery = ProbedDelivery<S::Delivery>;
+
+    async fn receive(&mut self) -> Result<Option<Self::Delivery>, SourceError> {
+        let d = self.inner.receive().await?;
+        Ok(d.map(|d| {
+            self.probe.received.fetch_add(1, Ordering::SeqCst);
+            self.probe.in_flight.fetch_add(1, Ordering::SeqCst);
+            self.probe
+                .receive_times
+                .lock()
+                .unwrap()
+                .push((self.idx, Instant::now()));
+            ProbedDelivery {
+                inner: Some(d),
+                probe: self.probe.clone(),
+            }
+        }))
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn close(self) -> Result<(), SourceError> {
+        self.inner.close().await
+    }
+}
+
+#[async_trait]
+impl<D: Delivery> Delivery for ProbedDelivery<D> {
+    fn message(&self) -> &Message {
+        self.inner.as_ref().unwrap().message()
+    }
+
+    fn lane(&self) -> Lane {
+        self.inner.as_ref().unwrap().lane()
+    }
+
+    async fn settle(mut self, settlement: Settlement) -> Result<(), SettleError> {
+        let d = self.inner.take().unwrap();
+        let r = d.settle(settlement).await;
+        self.probe.in_flight.fetch_sub(1, Ordering::SeqCst);
+        match &r {
+            Ok(()) => self.probe.settled_ok.fetch_add(1, Ordering::SeqCst),
+            Err(_) => self.probe.settle_failed.fetch_add(1, Ordering::SeqCst),
+        };
+        r
+    }
+}
+
+impl<D> Drop for ProbedDelivery<D> {
+    fn drop(&mut self) {
+        if self.inner.is_some() {
+            self.probe.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running consumers
+
+pub fn fast_retries() -> RetryPolicy {
+    RetryPolicy::default()
+        .initial_delay(Duration::from_millis(20))
+        .max_delay(Duration::from_millis(50))
+}
+
+/// A running consumer: its task, its stop switch, its connection monitor.
+pub struct Running {
+    pub task: tokio::task::JoinHandle<Result<(), txinbox::Error>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    pub monitor: AmqpMonitor,
+}
+
+impl Running {
+    /// Graceful shutdown: drains, settles, closes the source.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(Duration::from_secs(30), self.task)
+            .await
+            .expect("consumer stops within 30 s")
+            .expect("consumer task")
+            .expect("consumer ends without error");
+    }
+}
+
+pub struct Spec<'a> {
+    pub name: &'a str,
+    pub db: &'a TestDb,
+    pub handler: DepositHandler,
+    pub concurrency: usize,
+    pub retry: RetryPolicy,
+}
+
+pub async fn start(spec: &Spec<'_>, config: AmqpConfig, probe: &Arc<Probe>, idx: usize) -> Running {
+    // Logs for debugging a failure: RUST_LOG=txinbox_amqp=debug cargo test -p txinbox-amqp
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+    let source = AmqpSource::connect(config).await.expect("AmqpSource connects");
+    let monitor = source.monitor();
+    let consumer = Consumer::builder(spec.name)
+        .source(Probed {
+            inner: source,
+            probe: probe.clone(),
+            idx,
+        })
+        .inbox(spec.db.inbox())
+        .handler(spec.handler.clone())
+        .concurrency(spec.concurrency)
+        .retry_policy(spec.retry.clone())
+        .build()
+        .expect("consumer builds");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async move {
+        let _ = stopped.await;
+    }));
+    Running { task, stop, monitor }
+}
+
+/// Polls `cond` every 50 ms until it holds, or panics with `what` after `limit`.
+pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let started = Instant::now();
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until `unique_ids` effects exist, the queue has nothing ready and no delivery is in
+/// flight, and that stays so for 500 ms (so prefetched deliveries have been seen too).
+pub async fn wait_settled(db: &TestDb, queue: &TestQueue, probe: &Probe, unique_ids: i64, limit: Duration) {
+    let started = Instant::now();
+    let mut quiet_since: Option<(Instant, u64)> = None;
+    loop {
+        let effects = db.scalar("SELECT count(*) FROM effects").await;
+        let ready = queue.ready().await;
+        let in_flight = probe.in_flight.load(Ordering::SeqCst);
+        let received = probe.get(&probe.received);
+        if effects >= unique_ids && ready == 0 && in_flight == 0 {
+            match quiet_since {
+                Some((since, seen)) if seen == received => {
+                    if since.elapsed() >= Duration::from_millis(500) {
+                        return;
+                    }
+                }
+                _ => quiet_since = Some((Instant::now(), received)),
+            }
+        } else {
+            quiet_since = None;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "not settled after {limit:?}: effects {effects}/{unique_ids}, ready {ready}, in flight {in_flight}, received {received}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A deterministic shuffle (xorshift), so runs are comparable.
+pub fn shuffle<T>(v: &mut [T], mut seed: u64) {
+    for i in (1..v.len()).rev() {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        v.swap(i, (seed % (i as u64 + 1)) as usize);
+    }
+}
+
+/// `unique` deposits of 1..=unique cents to 7 accounts, `dup_every`-th ones published twice,
+/// shuffled. Returns the messages and the expected total.
+pub fn deposits(prefix: &str, unique: usize, dup_every: usize) -> (Vec<(Option<String>, String)>, i64) {
+    let mut msgs = Vec::new();
+    let mut total = 0;
+    for i in 0..unique {
+        let id = format!("{prefix}-{i}");
+        let amount = (i % 100) as i64 + 1;
+        total += amount;
+        let payload = deposit(&format!("acct-{}", i % 7), amount);
+        if i % dup_every == 0 {
+            msgs.push((Some(id.clone()), payload.clone()));
+        }
+        msgs.push((Some(id), payload));
+    }
+    shuffle(&mut msgs, 0x9E37_79B9_7F4A_7C15);
+    (msgs, total)
+}
+
+pub async fn total_balance(db: &TestDb) -> i64 {
+    db.scalar("SELECT coalesce(sum(balance), 0)::bigint FROM accounts")
+        .await
+}
