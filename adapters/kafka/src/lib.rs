@@ -1,5 +1,81 @@
-//! Kafka source adapter for txinbox (rdkafka).
+//! Kafka source adapter for [txinbox](txinbox): effectively-once effects from a Kafka consumer
+//! group.
 //!
-//! Not built yet: this crate reserves the name and the place in the workspace. The adapter itself
-//! (ordered offsets, rebalances, database positions) is the Kafka issue's work. Until then use
-//! [`txinbox::MessageSource`] to see the contract it will implement.
+//! [`KafkaSource`] implements [`txinbox::MessageSource`] over rdkafka (bundled, statically
+//! linked librdkafka 2.12.1). Give it to a [`txinbox::Consumer`] together with a
+//! [`txinbox::PostgresInbox`]; each record's inbox row, its effects *and its partition's next
+//! offset* commit in one transaction, and the offset is stored in Kafka only after that commit.
+//!
+//! ```no_run
+//! # async fn demo(inbox: txinbox::PostgresInbox, handler: impl txinbox::Handler<txinbox::sqlx::Postgres>) -> Result<(), txinbox::Error> {
+//! use txinbox_kafka::{KafkaConfig, KafkaSource};
+//!
+//! let config = KafkaConfig::new("127.0.0.1:9092", "payments", "payments-service").topic("deposits");
+//! let source = KafkaSource::new(config, inbox.clone())?;
+//! txinbox::Consumer::builder("payments-service") // the same name as in KafkaConfig::new
+//!     .source(source)
+//!     .inbox(inbox)
+//!     .handler(handler)
+//!     .build()?
+//!     .run_until(async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await
+//! # }
+//! ```
+//!
+//! # What it guarantees
+//!
+//! | situation | what happens |
+//! |---|---|
+//! | crash after the database commit, before the offset commit | the restart resumes at the database position: nothing re-applied, nothing skipped |
+//! | database restored from a backup | the restart resumes where the restored database ends: the lost messages are applied again, once |
+//! | rebalance (eager or cooperative-sticky) | revoked partitions stop, drain (bounded), commit, then move; the new owner starts at the database position |
+//! | offset commit fails (`REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION`, `_STATE`, broker down) | logged at info; the database position decides where the next owner starts |
+//! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
+//! | handler error: permanent, undecodable payload, attempts exhausted | dead letter on `<topic>.dlq` with `txinbox.dlq.*` headers, confirmed before the offset is stored; the partition moves on |
+//! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
+//!
+//! # Limits
+//!
+//! - Lanes are whole partitions; key sub-lanes inside a partition are not implemented.
+//! - The database positions belong to the consumer *name*: two services reading one topic need
+//!   two consumer names (and two group ids).
+//! - Loading positions at assignment retries while the database is down (fail closed); if that
+//!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
+
+mod config;
+mod source;
+mod tracker;
+
+pub use config::{
+    KafkaConfig, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION,
+    DEFAULT_REVOKE_TIMEOUT,
+};
+pub use source::{KafkaDelivery, KafkaSource, PositionStore};
+
+/// Headers added to every dead-letter record (besides the original record's headers).
+pub mod headers {
+    /// Machine-readable reason: `permanent_error`, `undecodable`, `missing_id`, `conflict`, …
+    pub const REASON: &str = "txinbox.dlq.reason";
+    /// The error text.
+    pub const ERROR: &str = "txinbox.dlq.error";
+    /// The original topic.
+    pub const TOPIC: &str = "txinbox.dlq.original.topic";
+    /// The original partition (decimal).
+    pub const PARTITION: &str = "txinbox.dlq.original.partition";
+    /// The original offset (decimal).
+    pub const OFFSET: &str = "txinbox.dlq.original.offset";
+    /// The original record timestamp in milliseconds since the epoch (decimal; empty if none).
+    pub const TIMESTAMP: &str = "txinbox.dlq.original.timestamp";
+    /// The txinbox consumer name that dead-lettered the record.
+    pub const CONSUMER: &str = "txinbox.dlq.consumer";
+}
+
+/// Metric names this crate records (through the `metrics` facade).
+pub mod metrics_names {
+    /// Counter, label `kind` (`assign`, `revoke`, `error`): rebalance callbacks.
+    pub const REBALANCES: &str = "txinbox_kafka_rebalances_total";
+    /// Counter: partitions paused because too many of their messages were unsettled.
+    pub const PAUSES: &str = "txinbox_kafka_partition_pauses_total";
+    /// Counter, label `topic`: dead letters produced and confirmed.
+    pub const DEAD_LETTERS_PRODUCED: &str = "txinbox_kafka_dead_letters_produced_total";
+}

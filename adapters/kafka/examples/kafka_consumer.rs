@@ -1,0 +1,213 @@
+//! A Kafka consumer service with effectively-once effects: `txinbox-kafka` + PostgreSQL.
+//!
+//! A plain rdkafka producer publishes 500 deposit events over 3 partitions of a fresh topic,
+//! each with a CloudEvents ID in the `ce_id` header; 100 of them are sent a second time (same
+//! ID, same payload, another partition) and one record is not JSON. A txinbox `Consumer` with a
+//! `KafkaSource` applies them with a non-idempotent update (`balance = balance + amount`): each
+//! event's inbox row, its update and its partition's next offset commit in one transaction,
+//! and the offset reaches Kafka only afterwards. The repeated IDs are skipped as duplicates, the
+//! malformed record goes to `<topic>.dlq` with `txinbox.dlq.*` headers. The example prints the
+//! balances and the stored positions, and exits non-zero if the total disagrees.
+//!
+//! Needs a Kafka-protocol broker at `KAFKA_BROKERS` (default `127.0.0.1:9092`; e.g. tansu via
+//! `source scripts/lib/tansu.sh && ensure_tansu`) and PostgreSQL at `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`; the example drops and recreates the database
+//! `txinbox_kafka_example` there).
+//!
+//! Run with:
+//!
+//! ```text
+//! cargo run -p txinbox-kafka --example kafka_consumer
+//! ```
+//!
+//! `RUST_LOG` (default `warn,txinbox_kafka=info`) controls the logs, written to stderr.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use tracing_subscriber::EnvFilter;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use txinbox::sqlx::{self, ConnectOptions as _, Executor as _, Postgres};
+use txinbox::{Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
+use txinbox_kafka::{KafkaConfig, KafkaSource};
+
+const CONSUMER: &str = "kafka-example";
+const EVENTS: usize = 500;
+
+#[derive(serde::Deserialize)]
+struct Deposit {
+    account: String,
+    amount: i64,
+}
+
+/// `balance = balance + amount`: applying an event twice would be visible.
+struct Deposits;
+
+#[txinbox::async_trait]
+impl Handler<Postgres> for Deposits {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        let d: Deposit = msg.json()?; // not JSON: permanent, dead-lettered as `undecodable`
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(&d.account)
+        .bind(d.amount)
+        .execute(cx.db())
+        .await?;
+        Ok(())
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,txinbox_kafka=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+
+    // A fresh database with the inbox tables and the application's table.
+    let admin_db: PgConnectOptions = database_url.parse()?;
+    let mut conn = admin_db.connect().await?;
+    conn.execute("DROP DATABASE IF EXISTS txinbox_kafka_example WITH (FORCE)")
+        .await?;
+    conn.execute("CREATE DATABASE txinbox_kafka_example").await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .connect_with(PostgresInbox::connect_options(
+            admin_db.database("txinbox_kafka_example"),
+        ))
+        .await?;
+    txinbox::migrate(&pool).await?;
+    pool.execute("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .await?;
+
+    // A fresh topic, so reruns against the same broker start clean.
+    let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let topic = format!("deposits-example-{stamp}");
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", &brokers).create()?;
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let dlq = format!("{topic}.dlq");
+    let topics = [
+        NewTopic::new(&topic, 3, TopicReplication::Fixed(1)),
+        NewTopic::new(&dlq, 1, TopicReplication::Fixed(1)),
+    ];
+    for result in admin.create_topics(&topics, &options).await? {
+        result.map_err(|(t, e)| format!("creating topic {t}: {e}"))?;
+    }
+
+    // The producer: any Kafka client would do; txinbox is not involved.
+    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &brokers).create()?;
+    let mut expected = 0;
+    let mut reports: Vec<rdkafka::producer::DeliveryFuture> = Vec::new();
+    for i in 0..EVENTS {
+        let id = format!("evt-{i}");
+        let amount = (i % 10) as i64 + 1;
+        expected += amount;
+        let payload = format!(r#"{{"account":"acct-{}","amount":{amount}}}"#, i % 5);
+        let copies = if i % 5 == 0 { 2 } else { 1 }; // 100 events sent twice
+        for copy in 0..copies {
+            let headers = OwnedHeaders::new().insert(Header {
+                key: "ce_id",
+                value: Some(&id),
+            });
+            let record = FutureRecord::to(&topic)
+                .key(&id)
+                .payload(&payload)
+                .partition(((i + copy) % 3) as i32)
+                .headers(headers);
+            // Pipelined: queue everything, then wait for every delivery report.
+            reports.push(producer.send_result(record).map_err(|(e, _)| e)?);
+        }
+    }
+    for report in reports {
+        report.await?.map_err(|(e, _)| e)?;
+    }
+    let bad = OwnedHeaders::new().insert(Header {
+        key: "ce_id",
+        value: Some("evt-bad"),
+    });
+    producer
+        .send(
+            FutureRecord::to(&topic)
+                .key("evt-bad")
+                .payload("{oops")
+                .partition(0)
+                .headers(bad),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
+    println!(
+        "published {} records ({EVENTS} events, 100 sent twice, 1 malformed) to {topic}",
+        EVENTS + 101
+    );
+
+    // The consumer service.
+    let inbox = PostgresInbox::new(pool.clone());
+    let config = KafkaConfig::new(&brokers, format!("{topic}-group"), CONSUMER)
+        .topic(&topic)
+        // Any librdkafka property passes through. A short session timeout makes a new group
+        // form quickly on tansu, which waits about half of it for more members to join.
+        .set("session.timeout.ms", "6000");
+    let source = KafkaSource::new(config, inbox.clone())?;
+    let consumer = Consumer::builder(CONSUMER)
+        .source(source)
+        .inbox(inbox)
+        .handler(Deposits)
+        .build()?;
+    let done = {
+        let pool = pool.clone();
+        async move {
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(60) {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM txinbox.inbox WHERE status IN ('processed', 'dead_lettered')",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(0);
+                if n as usize > EVENTS {
+                    // every event plus the malformed one
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    consumer.run_until(done).await?;
+
+    let balances: Vec<(String, i64)> = sqlx::query_as("SELECT id, balance FROM accounts ORDER BY id")
+        .fetch_all(&pool)
+        .await?;
+    let positions: Vec<(String, i64)> =
+        sqlx::query_as("SELECT lane, next_position FROM txinbox.positions WHERE consumer = $1 ORDER BY lane")
+            .bind(CONSUMER)
+            .fetch_all(&pool)
+            .await?;
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM txinbox.dead_letters")
+        .fetch_one(&pool)
+        .await?;
+    let total: i64 = balances.iter().map(|(_, b)| b).sum();
+    for (account, balance) in &balances {
+        println!("  {account}: {balance}");
+    }
+    println!("positions stored with the effects (partition → next offset): {positions:?}");
+    println!("dead letters recorded: {dead} (also on {topic}.dlq)");
+    println!("total balance {total}, expected {expected}");
+    if total != expected || dead != 1 {
+        return Err("the balances disagree with the events sent".into());
+    }
+    println!("ok: every event applied exactly once");
+    Ok(())
+}

@@ -1,0 +1,311 @@
+//! [`KafkaConfig`]: what to consume, where dead letters go, and librdkafka pass-through
+//! properties.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Default for [`KafkaConfig::max_buffered_per_partition`].
+pub const DEFAULT_MAX_BUFFERED_PER_PARTITION: usize = 500;
+/// Default for [`KafkaConfig::revoke_timeout`].
+pub const DEFAULT_REVOKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default for [`KafkaConfig::close_timeout`].
+pub const DEFAULT_CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default for [`KafkaConfig::dead_letter_timeout`].
+pub const DEFAULT_DEAD_LETTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// librdkafka's default `max.poll.interval.ms`.
+const DEFAULT_MAX_POLL_INTERVAL_MS: u64 = 300_000;
+
+/// Properties the adapter sets itself; a pass-through value for them is refused.
+const OWNED: &[(&str, &str)] = &[
+    ("bootstrap.servers", "pass the brokers to KafkaConfig::new"),
+    ("metadata.broker.list", "pass the brokers to KafkaConfig::new"),
+    ("group.id", "pass the group id to KafkaConfig::new"),
+    (
+        "enable.auto.offset.store",
+        "txinbox stores an offset only after the message's database transaction committed; it always sets this to false",
+    ),
+];
+
+/// Configuration of a [`KafkaSource`](crate::KafkaSource).
+///
+/// ```
+/// use std::time::Duration;
+/// use txinbox_kafka::KafkaConfig;
+///
+/// let config = KafkaConfig::new("127.0.0.1:9092", "payments", "payments-service")
+///     .topic("deposits")
+///     .dead_letter_topic("deposits.dlq")
+///     .max_buffered_per_partition(200)
+///     .revoke_timeout(Duration::from_secs(5))
+///     .set("session.timeout.ms", "10000")
+///     .set("partition.assignment.strategy", "cooperative-sticky");
+/// assert!(config.validate().is_ok());
+/// ```
+///
+/// # Defaults the adapter sets (overridable with [`set`](Self::set) unless noted)
+///
+/// | property | value | why |
+/// |---|---|---|
+/// | `enable.auto.offset.store` | `false` (not overridable) | an offset is stored only after its transaction committed |
+/// | `enable.auto.commit` | `true` | stored offsets reach the group for lag tools; `false` turns group commits off entirely (the database positions are authoritative either way) |
+/// | `auto.offset.reset` | `earliest` | a partition with neither a database position nor a group offset starts at its beginning |
+/// | `enable.partition.eof` | `false` | |
+#[derive(Debug, Clone)]
+pub struct KafkaConfig {
+    pub(crate) brokers: String,
+    pub(crate) group_id: String,
+    pub(crate) consumer_name: String,
+    pub(crate) topics: Vec<String>,
+    pub(crate) dead_letter_topic: Option<String>,
+    pub(crate) max_buffered_per_partition: usize,
+    pub(crate) revoke_timeout: Duration,
+    pub(crate) close_timeout: Duration,
+    pub(crate) dead_letter_timeout: Duration,
+    pub(crate) properties: BTreeMap<String, String>,
+    pub(crate) producer_properties: BTreeMap<String, String>,
+}
+
+impl KafkaConfig {
+    /// Consume as member of consumer group `group_id` from `brokers` (`host:port[,host:port]`;
+    /// use `127.0.0.1`, not `localhost`, for brokers listening on IPv4 only).
+    ///
+    /// `consumer_name` must be the name given to
+    /// [`txinbox::Consumer::builder`]: the source reads the positions that consumer stored in
+    /// the database when it is assigned partitions.
+    pub fn new(
+        brokers: impl Into<String>,
+        group_id: impl Into<String>,
+        consumer_name: impl Into<String>,
+    ) -> Self {
+        KafkaConfig {
+            brokers: brokers.into(),
+            group_id: group_id.into(),
+            consumer_name: consumer_name.into(),
+            topics: Vec::new(),
+            dead_letter_topic: None,
+            max_buffered_per_partition: DEFAULT_MAX_BUFFERED_PER_PARTITION,
+            revoke_timeout: DEFAULT_REVOKE_TIMEOUT,
+            close_timeout: DEFAULT_CLOSE_TIMEOUT,
+            dead_letter_timeout: DEFAULT_DEAD_LETTER_TIMEOUT,
+            properties: BTreeMap::new(),
+            producer_properties: BTreeMap::new(),
+        }
+    }
+
+    /// Adds a topic to subscribe to.
+    pub fn topic(mut self, topic: impl Into<String>) -> Self {
+        self.topics.push(topic.into());
+        self
+    }
+
+    /// Where dead letters are produced, for every subscribed topic. Default: `<topic>.dlq`, per
+    /// source topic.
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// How many messages of one partition may be received and not yet settled before the
+    /// partition is paused; it is resumed when half of them are settled (hysteresis, so a busy
+    /// partition is not paused and resumed for every message, each pause discarding librdkafka's
+    /// prefetched messages). Default: 500.
+    pub fn max_buffered_per_partition(mut self, n: usize) -> Self {
+        self.max_buffered_per_partition = n;
+        self
+    }
+
+    /// How long a revocation waits for the revoked partitions' in-flight messages to finish
+    /// before it commits and gives the partitions up. Must stay below `max.poll.interval.ms`.
+    /// Messages still running afterwards finish; their offsets are not stored and the new owner
+    /// redelivers them (the inbox turns that into duplicates). Default: 10 s.
+    pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
+        self.revoke_timeout = timeout;
+        self
+    }
+
+    /// How long [`close`](txinbox::MessageSource::close) waits for the final commit and for
+    /// librdkafka to leave the group. Default: 30 s.
+    pub fn close_timeout(mut self, timeout: Duration) -> Self {
+        self.close_timeout = timeout;
+        self
+    }
+
+    /// How long one attempt to produce a dead letter may take (the producer's
+    /// `message.timeout.ms`). The attempt is repeated while the partition stays assigned; the
+    /// original offset is stored only once a dead letter is confirmed. Default: 30 s.
+    pub fn dead_letter_timeout(mut self, timeout: Duration) -> Self {
+        self.dead_letter_timeout = timeout;
+        self
+    }
+
+    /// Sets any librdkafka consumer property (see librdkafka's CONFIGURATION.md), for example
+    /// `session.timeout.ms`, `partition.assignment.strategy`, `security.protocol`. Security
+    /// properties (`security.protocol`, `sasl.*`, `ssl.*`) are also given to the dead-letter
+    /// producer.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// Sets a librdkafka property of the dead-letter producer only (e.g. `compression.type`).
+    pub fn set_producer(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.producer_properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// The consumer name this source reads database positions for.
+    pub fn consumer_name(&self) -> &str {
+        &self.consumer_name
+    }
+
+    /// The subscribed topics.
+    pub fn topics(&self) -> &[String] {
+        &self.topics
+    }
+
+    /// The dead-letter topic for records of `topic`.
+    pub fn dead_letter_topic_for(&self, topic: &str) -> String {
+        match &self.dead_letter_topic {
+            Some(t) => t.clone(),
+            None => format!("{topic}.dlq"),
+        }
+    }
+
+    /// Whether offsets are committed to the group (`enable.auto.commit`, default true).
+    pub(crate) fn group_commits(&self) -> bool {
+        self.properties
+            .get("enable.auto.commit")
+            .is_none_or(|v| v != "false")
+    }
+
+    /// Checks the configuration; the error says what to change.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.brokers.trim().is_empty() {
+            return Err("brokers is empty: pass host:port of at least one broker to KafkaConfig::new".into());
+        }
+        if self.group_id.trim().is_empty() {
+            return Err("group id is empty: pass the consumer group to KafkaConfig::new".into());
+        }
+        if self.consumer_name.trim().is_empty() {
+            return Err(
+                "consumer name is empty: pass the name given to txinbox::Consumer::builder to KafkaConfig::new"
+                    .into(),
+            );
+        }
+        if self.topics.is_empty() {
+            return Err("no topics: add at least one with KafkaConfig::topic".into());
+        }
+        if let Some(t) = self.topics.iter().find(|t| t.trim().is_empty()) {
+            return Err(format!("topic name {t:?} is empty"));
+        }
+        for topic in &self.topics {
+            let dlq = self.dead_letter_topic_for(topic);
+            if self.topics.contains(&dlq) {
+                return Err(format!(
+                    "the dead-letter topic {dlq:?} is also a subscribed topic: dead letters would be consumed again; choose another with KafkaConfig::dead_letter_topic"
+                ));
+            }
+        }
+        if self.max_buffered_per_partition == 0 {
+            return Err("max_buffered_per_partition must be at least 1".into());
+        }
+        for (key, why) in OWNED {
+            if let Some(v) = self.properties.get(*key) {
+                if *key == "enable.auto.offset.store" && v == "false" {
+                    continue;
+                }
+                return Err(format!("property {key}={v} cannot be set: {why}"));
+            }
+        }
+        let max_poll_ms = match self.properties.get("max.poll.interval.ms") {
+            Some(v) => v
+                .parse::<u64>()
+                .map_err(|_| format!("max.poll.interval.ms={v:?} is not a number of milliseconds"))?,
+            None => DEFAULT_MAX_POLL_INTERVAL_MS,
+        };
+        if self.revoke_timeout.as_millis() >= u128::from(max_poll_ms) {
+            return Err(format!(
+                "revoke_timeout ({:?}) must be below max.poll.interval.ms ({max_poll_ms} ms): the rebalance \
+                 callback blocks the poller while it waits; lower revoke_timeout or raise max.poll.interval.ms",
+                self.revoke_timeout
+            ));
+        }
+        if self.dead_letter_timeout < Duration::from_millis(1) {
+            return Err("dead_letter_timeout must be at least 1 ms".into());
+        }
+        Ok(())
+    }
+
+    /// The consumer's librdkafka configuration.
+    pub(crate) fn consumer_config(&self) -> rdkafka::ClientConfig {
+        let mut c = rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers)
+            .set("group.id", &self.group_id)
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "true")
+            .set("enable.partition.eof", "false");
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        c.set("enable.auto.offset.store", "false");
+        c
+    }
+
+    /// The dead-letter producer's librdkafka configuration.
+    pub(crate) fn producer_config(&self) -> rdkafka::ClientConfig {
+        let mut c = rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers).set(
+            "message.timeout.ms",
+            self.dead_letter_timeout.as_millis().max(1).to_string(),
+        );
+        for (k, v) in &self.properties {
+            let shared = k == "security.protocol"
+                || k.starts_with("sasl.")
+                || k.starts_with("ssl.")
+                || k == "client.dns.lookup"
+                || k == "broker.address.family";
+            if shared {
+                c.set(k, v);
+            }
+        }
+        for (k, v) in &self.producer_properties {
+            c.set(k, v);
+        }
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> KafkaConfig {
+        KafkaConfig::new("127.0.0.1:9092", "g", "c").topic("t")
+    }
+
+    #[test]
+    fn defaults_validate_and_dlq_topic_defaults_per_topic() {
+        assert!(base().validate().is_ok());
+        assert_eq!(base().dead_letter_topic_for("t"), "t.dlq");
+        assert_eq!(base().dead_letter_topic("x").dead_letter_topic_for("t"), "x");
+        assert!(base().group_commits());
+        assert!(!base().set("enable.auto.commit", "false").group_commits());
+    }
+
+    #[test]
+    fn invalid_configurations_say_what_to_change() {
+        let err = |c: KafkaConfig| c.validate().unwrap_err();
+        assert!(err(KafkaConfig::new("", "g", "c").topic("t")).contains("brokers"));
+        assert!(err(KafkaConfig::new("b", "g", "c")).contains("KafkaConfig::topic"));
+        assert!(err(base().set("enable.auto.offset.store", "true")).contains("only after"));
+        assert!(err(base().set("group.id", "x")).contains("KafkaConfig::new"));
+        assert!(err(base().dead_letter_topic("t")).contains("dead-letter topic"));
+        assert!(err(base().max_buffered_per_partition(0)).contains("at least 1"));
+        assert!(err(base()
+            .set("max.poll.interval.ms", "5000")
+            .revoke_timeout(Duration::from_secs(6)))
+        .contains("max.poll.interval.ms"));
+        assert!(base().set("enable.auto.offset.store", "false").validate().is_ok());
+    }
+}

@@ -1,0 +1,241 @@
+//! Per-partition offset bookkeeping: which received offsets are settled, the highest contiguous
+//! settled offset, and how many messages are buffered or in flight (for pause/resume).
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+/// State of one received offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    /// Received; in the hand-over channel or in the runtime.
+    Pending,
+    /// Settled: its transaction committed (or it was a duplicate, or its dead letter is
+    /// confirmed).
+    Done,
+    /// Dropped without being settled: never done in this assignment.
+    Abandoned,
+}
+
+/// Facts about one assignment of a partition that deliveries need after the partition's
+/// tracker is gone (revoked).
+#[derive(Debug)]
+pub(crate) struct Generation {
+    pub(crate) epoch: u64,
+    /// The lowest offset dropped unsettled in this assignment, `i64::MAX` if none.
+    abandoned_below: AtomicI64,
+}
+
+impl Generation {
+    pub(crate) fn new(epoch: u64) -> Arc<Self> {
+        Arc::new(Generation {
+            epoch,
+            abandoned_below: AtomicI64::new(i64::MAX),
+        })
+    }
+
+    /// Whether an offset below `offset` was dropped unsettled in this assignment.
+    pub(crate) fn has_hole_below(&self, offset: i64) -> bool {
+        self.abandoned_below.load(Ordering::SeqCst) < offset
+    }
+
+    fn abandon(&self, offset: i64) {
+        self.abandoned_below.fetch_min(offset, Ordering::SeqCst);
+    }
+}
+
+/// One assigned partition.
+#[derive(Debug)]
+pub(crate) struct Partition {
+    pub(crate) generation: Arc<Generation>,
+    pub(crate) topic: Arc<str>,
+    pub(crate) lane: Arc<str>,
+    /// Set when a revocation started: nothing more is handed out.
+    pub(crate) revoking: bool,
+    /// Received offsets not yet folded into `done_next`, in receive (= offset) order.
+    window: VecDeque<(i64, Slot)>,
+    /// Highest received offset.
+    last_received: Option<i64>,
+    /// Highest contiguous settled offset + 1 (the position to store), if any progress.
+    done_next: Option<i64>,
+    /// The last position given to `store_offsets`.
+    stored_next: Option<i64>,
+    /// In the hand-over channel, not yet handed to the runtime.
+    pub(crate) buffered: usize,
+    /// Handed to the runtime and not yet settled or dropped.
+    pub(crate) in_flight: usize,
+    pub(crate) paused: bool,
+}
+
+impl Partition {
+    pub(crate) fn new(epoch: u64, topic: Arc<str>, partition: i32) -> Self {
+        Partition {
+            generation: Generation::new(epoch),
+            lane: format!("{topic}/{partition}").into(),
+            topic,
+            revoking: false,
+            window: VecDeque::new(),
+            last_received: None,
+            done_next: None,
+            stored_next: None,
+            buffered: 0,
+            in_flight: 0,
+            paused: false,
+        }
+    }
+
+    pub(crate) fn epoch(&self) -> u64 {
+        self.generation.epoch
+    }
+
+    /// Records a received offset. `false`: not newer than the last one (a replayed fetch);
+    /// the message must be ignored.
+    pub(crate) fn receive(&mut self, offset: i64) -> bool {
+        if self.last_received.is_some_and(|last| offset <= last) {
+            return false;
+        }
+        self.last_received = Some(offset);
+        self.window.push_back((offset, Slot::Pending));
+        self.buffered += 1;
+        true
+    }
+
+    /// A buffered message was handed to the runtime.
+    pub(crate) fn hand_out(&mut self) {
+        self.buffered = self.buffered.saturating_sub(1);
+        self.in_flight += 1;
+    }
+
+    /// A buffered message was discarded without being handed out (revocation).
+    pub(crate) fn discard_buffered(&mut self) {
+        self.buffered = self.buffered.saturating_sub(1);
+    }
+
+    fn slot(&mut self, offset: i64) -> Option<&mut Slot> {
+        let i = self.window.binary_search_by_key(&offset, |(o, _)| *o).ok()?;
+        Some(&mut self.window[i].1)
+    }
+
+    /// Marks `offset` settled and advances the contiguous position.
+    pub(crate) fn settle(&mut self, offset: i64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if let Some(slot @ Slot::Pending) = self.slot(offset) {
+            *slot = Slot::Done;
+        }
+        while let Some((o, Slot::Done)) = self.window.front().copied() {
+            self.window.pop_front();
+            self.done_next = Some(o + 1);
+        }
+    }
+
+    /// Marks `offset` dropped unsettled: the contiguous position never passes it in this
+    /// assignment.
+    pub(crate) fn abandon(&mut self, offset: i64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if let Some(slot @ Slot::Pending) = self.slot(offset) {
+            *slot = Slot::Abandoned;
+        }
+        self.generation.abandon(offset);
+    }
+
+    /// Received and not settled: buffered plus in flight.
+    pub(crate) fn unsettled(&self) -> usize {
+        self.buffered + self.in_flight
+    }
+
+    /// Pause/resume with hysteresis: `Some(true)` to pause (at `high` unsettled messages),
+    /// `Some(false)` to resume (once down to `high / 2`), `None` to leave it as it is.
+    pub(crate) fn flow(&mut self, high: usize) -> Option<bool> {
+        let unsettled = self.unsettled();
+        if !self.paused && unsettled >= high {
+            self.paused = true;
+            Some(true)
+        } else if self.paused && unsettled <= high / 2 {
+            self.paused = false;
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// The position to store, if it moved since the last call.
+    pub(crate) fn take_store(&mut self) -> Option<i64> {
+        let next = self.done_next?;
+        if self.stored_next.is_some_and(|s| s >= next) {
+            return None;
+        }
+        self.stored_next = Some(next);
+        Some(next)
+    }
+
+    /// The highest contiguous settled offset + 1, if any.
+    pub(crate) fn done_next(&self) -> Option<i64> {
+        self.done_next
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_position_waits_for_the_lowest_unsettled_offset() {
+        let mut p = Partition::new(1, "t".into(), 0);
+        for o in [5, 6, 8, 9] {
+            assert!(p.receive(o));
+            p.hand_out();
+        }
+        assert!(!p.receive(6), "an older offset is ignored");
+        p.settle(6);
+        assert_eq!(p.take_store(), None, "5 is not settled yet");
+        p.settle(5);
+        assert_eq!(p.take_store(), Some(7), "5 and 6 settled: next is 7");
+        assert_eq!(p.take_store(), None, "unchanged");
+        p.settle(9);
+        p.settle(8);
+        assert_eq!(
+            p.take_store(),
+            Some(10),
+            "gaps in offsets (compaction, markers) are fine"
+        );
+        assert_eq!(p.unsettled(), 0);
+    }
+
+    #[test]
+    fn pause_at_the_high_mark_resume_at_half() {
+        let mut p = Partition::new(1, "t".into(), 0);
+        for o in 0..9 {
+            p.receive(o);
+            assert_eq!(p.flow(10), None);
+        }
+        p.receive(9);
+        assert_eq!(p.flow(10), Some(true), "10 unsettled: pause");
+        assert_eq!(p.flow(10), None, "stays paused");
+        for o in 0..4 {
+            p.hand_out();
+            p.settle(o);
+            assert_eq!(p.flow(10), None, "6..9 unsettled: still paused");
+        }
+        p.hand_out();
+        p.settle(4);
+        assert_eq!(p.flow(10), Some(false), "5 unsettled: resume");
+        assert_eq!(p.flow(10), None);
+    }
+
+    #[test]
+    fn an_abandoned_offset_blocks_the_position_and_marks_a_hole() {
+        let mut p = Partition::new(1, "t".into(), 0);
+        for o in 0..4 {
+            p.receive(o);
+            p.hand_out();
+        }
+        p.settle(0);
+        p.abandon(1);
+        p.settle(2);
+        p.settle(3);
+        assert_eq!(p.done_next(), Some(1));
+        assert!(!p.generation.has_hole_below(1));
+        assert!(p.generation.has_hole_below(2));
+        assert_eq!(p.in_flight, 0);
+    }
+}
