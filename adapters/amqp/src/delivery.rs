@@ -163,6 +163,7 @@ impl AmqpDelivery {
         };
         let channel = &self.generation.channel;
         let publish = async {
+            let _one_at_a_time = self.generation.publish_lock.lock().await;
             let confirm = channel
                 .basic_publish(
                     ShortString::default(),

@@ -58,6 +58,10 @@ pub(crate) struct Generation {
     pub(crate) id: u64,
     pub(crate) channel: Channel,
     alive: AtomicBool,
+    /// Held from a copy's publish to its confirm. lapin pairs a `basic.return` with whichever
+    /// confirm completes next, not with its own publish, so with several copies in flight an
+    /// unroutable copy could be taken as confirmed and its original acked: one at a time.
+    pub(crate) publish_lock: tokio::sync::Mutex<()>,
 }
 
 impl Generation {
@@ -244,6 +248,10 @@ struct Supervisor {
 
 impl Supervisor {
     async fn run(self, mut session: Session) {
+        // Losses right after a reconnect (a poison frame lapin cannot parse, a queue deleted
+        // again and again) back off across losses instead of reconnecting at handshake speed.
+        let mut up_since = Instant::now();
+        let mut quick_losses = 0u32;
         loop {
             let end = self.serve(&mut session).await;
             self.went_down(&session);
@@ -263,6 +271,19 @@ impl Supervisor {
             );
             abandon(session).await;
             let lost_at = Instant::now();
+            quick_losses = if up_since.elapsed() < self.config.reconnect_max {
+                quick_losses + 1
+            } else {
+                0
+            };
+            if quick_losses > 1 {
+                let delay = self.backoff(quick_losses);
+                tracing::warn!(queue = %self.shared.queue, quick_losses, ?delay, "AMQP consumer lost again soon after reconnecting; backing off");
+                tokio::select! {
+                    _ = self.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
             let mut attempt = 0u32;
             session = loop {
                 attempt += 1;
@@ -272,16 +293,16 @@ impl Supervisor {
                 };
                 match setup {
                     Ok(s) => break s,
-                    Err(e) if e.is_fatal() => {
-                        tracing::error!(queue = %self.shared.queue, error = %e, "AMQP reconnect failed for good; stopping the source");
-                        if let Some(tx) = &self.tx {
-                            let _ = tx.send(Err(SourceError::fatal(e)));
-                        }
-                        return;
-                    }
                     Err(e) => {
+                        // Never fatal here: the first connect already proved the configuration,
+                        // and conditions like a node or vhost down, or a queue re-created by an
+                        // operator, pass. Fatal-looking errors are logged as errors.
                         let delay = self.backoff(attempt);
-                        tracing::warn!(queue = %self.shared.queue, attempt, error = %e, ?delay, "AMQP reconnect failed; retrying");
+                        if e.is_fatal() {
+                            tracing::error!(queue = %self.shared.queue, attempt, error = %e, ?delay, "AMQP reconnect refused; retrying with backoff");
+                        } else {
+                            tracing::warn!(queue = %self.shared.queue, attempt, error = %e, ?delay, "AMQP reconnect failed; retrying");
+                        }
                         tokio::select! {
                             _ = self.shutdown.cancelled() => return,
                             _ = tokio::time::sleep(delay) => {}
@@ -290,6 +311,7 @@ impl Supervisor {
                 }
             };
             self.went_up(&session, Some(lost_at.elapsed()));
+            up_since = Instant::now();
         }
     }
 
@@ -405,6 +427,7 @@ impl Supervisor {
                 id: generation,
                 channel,
                 alive: AtomicBool::new(true),
+                publish_lock: tokio::sync::Mutex::new(()),
             }),
         })
     }
