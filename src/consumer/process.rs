@@ -19,9 +19,12 @@ use super::{store_backoff, Shared};
 use crate::error::Error;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::message::MessageId;
-use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode, Settlement};
+use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode, SettleError, Settlement};
 use crate::store::{clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError};
 use crate::telemetry;
+
+/// How long a settlement may still take once shutdown has begun.
+const SETTLE_GRACE: Duration = Duration::from_secs(10);
 
 /// What to tell the broker, decided after the database work is done.
 enum Verdict {
@@ -416,7 +419,19 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         }
     };
     Span::current().record("txinbox.outcome", outcome);
-    if let Err(e) = delivery.settle(settlement).await {
+    // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
+    // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
+    // contract allows: the broker redelivers and the inbox deduplicates.
+    let settled = tokio::select! {
+        r = delivery.settle(settlement) => r,
+        _ = async {
+            shared.shutdown.cancelled().await;
+            tokio::time::sleep(SETTLE_GRACE).await;
+        } => Err(SettleError::new(format!(
+            "still pending {SETTLE_GRACE:?} after shutdown began; abandoned"
+        ))),
+    };
+    if let Err(e) = settled {
         // The database side is final; the broker will redeliver and the inbox deduplicates.
         // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
         // broker connection is flapping).

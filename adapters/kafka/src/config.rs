@@ -176,7 +176,7 @@ impl KafkaConfig {
     pub(crate) fn group_commits(&self) -> bool {
         self.properties
             .get("enable.auto.commit")
-            .is_none_or(|v| v != "false")
+            .is_none_or(|v| !(v.eq_ignore_ascii_case("false") || v == "0"))
     }
 
     /// Checks the configuration; the error says what to change.

@@ -547,7 +547,19 @@ impl PollerContext {
         let mut from_db = Vec::new();
         for topic in &topics {
             let Some(positions) = self.load_positions(topic) else {
+                // Stopping. The rebalance must still be completed with an (empty) assignment:
+                // returning without one leaves librdkafka waiting for the assign call, and then
+                // closing the consumer never finishes.
                 tracing::info!("stopping: assignment not taken");
+                let nothing = TopicPartitionList::new();
+                let done = if cooperative {
+                    consumer.incremental_assign(&nothing)
+                } else {
+                    consumer.assign(&nothing)
+                };
+                if let Err(e) = done {
+                    tracing::info!(error = %e, "completing the rebalance with an empty assignment failed");
+                }
                 return;
             };
             for (lane, next) in positions {
