@@ -159,8 +159,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         (applied == EVENTS as i64, "applied != valid events"),
         (conflicts >= 1 && undecodable == 1, "missing dead letters"),
         (
-            (conflicts + undecodable) as u64 == dead_lettered,
-            "dead letters: database != broker",
+            // A broker duplicate of a dead-lettered message is dead-lettered at the broker again.
+            (conflicts + undecodable) as u64 <= dead_lettered,
+            "a dead letter never reached the broker",
         ),
         (
             flaky_attempts == 2,

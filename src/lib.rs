@@ -15,6 +15,7 @@
 //! | transient error, attempts left | rolled back, attempt counted apart | retry after backoff |
 //! | permanent error, attempts exhausted, undecodable, no ID, too large | rolled back, dead letter recorded | dead-letter |
 //! | handler panics | rolled back | treated as transient |
+//! | redelivery of a dead-lettered message | unchanged | dead-letter again (recorded reason), not recorded again |
 //! | commit ok, ack lost | committed | none: the redelivery is a duplicate |
 //! | COMMIT outcome unknown | unknown | none: the redelivery or the next attempt decides |
 //! | process killed anywhere | open transaction rolled back by PostgreSQL | none: redelivery |

@@ -129,6 +129,22 @@ pub enum DeadLetterReason {
 }
 
 impl DeadLetterReason {
+    /// The reason named by [`as_str`](Self::as_str), if it is one.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            DeadLetterReason::Permanent,
+            DeadLetterReason::AttemptsExhausted,
+            DeadLetterReason::Undecodable,
+            DeadLetterReason::Conflict,
+            DeadLetterReason::MissingId,
+            DeadLetterReason::InvalidId,
+            DeadLetterReason::TooLarge,
+            DeadLetterReason::NoHandler,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
+    }
+
     /// The reason as stored and sent: `permanent_error`, `attempts_exhausted`, `undecodable`,
     /// `conflict`, `missing_id`, `invalid_id`, `too_large`, `no_handler`.
     pub fn as_str(self) -> &'static str {

@@ -7,7 +7,7 @@
 //! | `txinbox_duplicates_total` | counter | ID already in the inbox with the same fingerprint: acked, handler not run |
 //! | `txinbox_conflicts_total` | counter | ID already in the inbox with another fingerprint: dead-lettered |
 //! | `txinbox_retries_total` | counter | transient failure, attempt counted, retry scheduled |
-//! | `txinbox_dead_letters_total` | counter | dead-lettered; label `reason` |
+//! | `txinbox_dead_letters_total` | counter | dead-letter settlements; label `reason` (a redelivered dead letter, sent to the broker again, counts again) |
 //! | `txinbox_ack_failures_total` | counter | the settlement after a finished transaction did not reach the broker (redelivery will be a duplicate) |
 //! | `txinbox_store_errors_total` | counter | the inbox database was unavailable; intake pauses |
 //! | `txinbox_handler_duration_seconds` | histogram | time in the handler |

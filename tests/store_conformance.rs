@@ -109,12 +109,7 @@ where
 
     // Dead letters: the key becomes terminal, a redelivery is a duplicate.
     let d = Keyed::new("d", "payload-d");
-    let position = Position {
-        source: "orders".into(),
-        lane: "0".into(),
-        next: 2,
-    };
-    fn record<'a>(k: &'a Keyed, reason: DeadLetterReason, position: &'a Position) -> DeadLetterRecord<'a> {
+    fn record(k: &Keyed, reason: DeadLetterReason) -> DeadLetterRecord<'_> {
         DeadLetterRecord {
             consumer: "conformance",
             entry: Some(k.entry("conformance")),
@@ -122,12 +117,11 @@ where
             reason,
             error: "bad",
             attempts: 1,
-            position: Some(position),
         }
     }
     assert_eq!(
         store
-            .dead_letter(&record(&d, DeadLetterReason::Permanent, &position))
+            .dead_letter(&record(&d, DeadLetterReason::Permanent))
             .await
             .unwrap(),
         DeadLetterOutcome::Recorded
@@ -139,7 +133,7 @@ where
     // Dead-lettering a key another consumer instance already processed records nothing.
     assert_eq!(
         store
-            .dead_letter(&record(&a, DeadLetterReason::Permanent, &position))
+            .dead_letter(&record(&a, DeadLetterReason::Permanent))
             .await
             .unwrap(),
         DeadLetterOutcome::AlreadyProcessed
@@ -147,7 +141,7 @@ where
     // A conflict is recorded without touching the processed row.
     assert_eq!(
         store
-            .dead_letter(&record(&a_other, DeadLetterReason::Conflict, &position))
+            .dead_letter(&record(&a_other, DeadLetterReason::Conflict))
             .await
             .unwrap(),
         DeadLetterOutcome::Recorded
@@ -160,7 +154,7 @@ where
     // nothing new, but the broker must still be told.
     assert_eq!(
         store
-            .dead_letter(&record(&d, DeadLetterReason::Permanent, &position))
+            .dead_letter(&record(&d, DeadLetterReason::Permanent))
             .await
             .unwrap(),
         DeadLetterOutcome::AlreadyDeadLettered
@@ -175,7 +169,7 @@ where
     );
     assert_eq!(
         store
-            .dead_letter(&record(&g, DeadLetterReason::Permanent, &position))
+            .dead_letter(&record(&g, DeadLetterReason::Permanent))
             .await
             .unwrap(),
         DeadLetterOutcome::RecordedAsConflict
@@ -190,7 +184,6 @@ where
         reason: DeadLetterReason::MissingId,
         error: "no id",
         attempts: 0,
-        position: None,
     };
     assert_eq!(
         store.dead_letter(&missing).await.unwrap(),
@@ -200,11 +193,16 @@ where
     assert_eq!(dead_letters("conflict").await, 2);
     assert_eq!(dead_letters("missing_id").await, 1);
 
-    // Positions: saved in the caller's transaction, overwritten, read back per lane.
+    // The latest dead letter of a message can be read back (to resend it to the broker).
     assert_eq!(
-        store.load_positions(c, "orders").await.unwrap(),
-        [("0".to_string(), 2)]
+        store.dead_letter_of(c, "d").await.unwrap(),
+        Some(("permanent_error".to_string(), "bad".to_string()))
     );
+    assert_eq!(store.dead_letter_of(c, "nope").await.unwrap(), None);
+
+    // Positions: dead letters never move them; saved in the caller's transaction, overwritten,
+    // read back per lane.
+    assert!(store.load_positions(c, "orders").await.unwrap().is_empty());
     let mut tx = store.begin().await.unwrap();
     let p1 = Position {
         source: "orders".into(),
@@ -213,9 +211,8 @@ where
     };
     store.save_position(&mut *tx, c, &p1).await.unwrap();
     tx.rollback().await.unwrap();
-    assert_eq!(
-        store.load_positions(c, "orders").await.unwrap().len(),
-        1,
+    assert!(
+        store.load_positions(c, "orders").await.unwrap().is_empty(),
         "rolled back with the transaction"
     );
     let mut tx = store.begin().await.unwrap();
@@ -232,9 +229,10 @@ where
         .await
         .unwrap();
     store.commit(tx).await.unwrap();
-    let mut got = store.load_positions(c, "orders").await.unwrap();
-    got.sort();
-    assert_eq!(got, [("0".to_string(), 2), ("1".to_string(), 11)]);
+    assert_eq!(
+        store.load_positions(c, "orders").await.unwrap(),
+        [("1".to_string(), 11)]
+    );
 
     // Two concurrent claims of one key: the second waits for the first, then sees a duplicate.
     let e = Arc::new(Keyed::new("e", "payload-e"));

@@ -20,7 +20,9 @@ use crate::error::Error;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::message::MessageId;
 use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode, SettleError, Settlement};
-use crate::store::{clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError};
+use crate::store::{
+    clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
+};
 use crate::telemetry;
 
 /// How long a settlement may still take once shutdown has begun.
@@ -30,6 +32,9 @@ const SETTLE_GRACE: Duration = Duration::from_secs(10);
 enum Verdict {
     Processed,
     Duplicate,
+    /// A redelivery of a message dead-lettered before: sent to the broker's dead-letter
+    /// destination again (its copy may never have been confirmed), not recorded again.
+    DeadLetterAgain(DeadLetter),
     Retry(Duration),
     DeadLetter(DeadLetter),
 }
@@ -38,6 +43,7 @@ enum Verdict {
 enum Attempt {
     Committed,
     Duplicate,
+    DeadLetteredBefore,
     Conflict,
     Failed { attempt: u32, error: HandlerError },
 }
@@ -155,6 +161,15 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         match outcome {
             Attempt::Committed => return Some(Verdict::Processed),
             Attempt::Duplicate => return Some(Verdict::Duplicate),
+            Attempt::DeadLetteredBefore => {
+                let earlier =
+                    with_store(shared, || shared.store.dead_letter_of(&shared.name, id.as_str())).await?;
+                let (reason, error) = earlier.unwrap_or_else(|| ("permanent_error".into(), String::new()));
+                return Some(Verdict::DeadLetterAgain(DeadLetter {
+                    reason: DeadLetterReason::parse(&reason).unwrap_or(DeadLetterReason::Permanent),
+                    error,
+                }));
+            }
             Attempt::Conflict => {
                 metrics::counter!(telemetry::CONFLICTS, "consumer" => shared.name.to_string()).increment(1);
                 let error = format!(
@@ -222,6 +237,11 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     let mut tx = store.begin().await?;
     let attempt = match store.claim(&mut *tx, entry).await? {
         Claim::New { attempt } => attempt,
+        Claim::Duplicate(InboxStatus::DeadLettered) => {
+            // No position: it moves only once the broker has taken this delivery's dead letter.
+            drop(tx.rollback().await);
+            return Ok(Attempt::DeadLetteredBefore);
+        }
         Claim::Duplicate(_) => {
             match position {
                 Some(p) => {
@@ -323,7 +343,6 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     error: &str,
     attempts: u32,
 ) -> Option<Verdict> {
-    let position = delivery.position();
     let record = DeadLetterRecord {
         consumer: &shared.name,
         entry,
@@ -331,7 +350,6 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         reason,
         error,
         attempts,
-        position: position.as_ref(),
     };
     let dead = |reason| {
         Some(Verdict::DeadLetter(DeadLetter {
@@ -411,6 +429,11 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             ("duplicate", Settlement::Ack)
         }
         Verdict::Retry(after) => ("retry", Settlement::Retry { after }),
+        Verdict::DeadLetterAgain(dl) => {
+            metrics::counter!(telemetry::DEAD_LETTERS, "consumer" => consumer.clone(), "reason" => dl.reason.as_str())
+                .increment(1);
+            ("dead_lettered_again", Settlement::DeadLetter(dl))
+        }
         Verdict::DeadLetter(dl) => {
             metrics::counter!(telemetry::DEAD_LETTERS, "consumer" => consumer.clone(), "reason" => dl.reason.as_str())
                 .increment(1);

@@ -72,9 +72,19 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Records a dead letter in its own transaction: the original message, reason and error;
     /// marks the inbox row `dead_lettered` when the message has a usable ID and is not a
-    /// conflict; saves the position. If the key turns out to be taken meanwhile, records
-    /// accordingly: see [`DeadLetterOutcome`].
+    /// conflict. If the key turns out to be taken meanwhile, records accordingly: see
+    /// [`DeadLetterOutcome`]. It does not move the source position: the broker has not yet
+    /// confirmed its own dead-letter copy, and a restart must see the message again (as a
+    /// duplicate of a dead letter, which is sent to the broker's dead-letter destination
+    /// again).
     async fn dead_letter(&self, record: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError>;
+
+    /// The reason and error of the latest dead letter recorded for this message, if any.
+    async fn dead_letter_of(
+        &self,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<(String, String)>, StoreError>;
 
     /// The stored next positions of `consumer` in `source`, by lane (Kafka: partition number
     /// as text → next offset). An adapter reads them when it is assigned lanes, so consumption
@@ -182,8 +192,6 @@ pub struct DeadLetterRecord<'a> {
     pub error: &'a str,
     /// Attempts made (0 when the handler never ran).
     pub attempts: u32,
-    /// Position to save with the record.
-    pub position: Option<&'a Position>,
 }
 
 /// The outcome of [`InboxStore::dead_letter`].

@@ -278,11 +278,23 @@ impl InboxStore for PostgresInbox {
             .execute(&mut *tx)
             .await
             .map_err(classify)?;
-        if let Some(p) = r.position {
-            self.save_position(&mut *tx, r.consumer, p).await?;
-        }
         tx.commit().await.map_err(classify)?;
         Ok(outcome)
+    }
+
+    async fn dead_letter_of(
+        &self,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        sqlx::query_as(
+            "SELECT reason, error FROM txinbox.dead_letters WHERE consumer = $1 AND message_id = $2 ORDER BY id DESC LIMIT 1",
+        )
+        .bind(consumer)
+        .bind(message_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(classify)
     }
 
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {

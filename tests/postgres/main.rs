@@ -191,12 +191,21 @@ async fn permanent_failure_is_dead_lettered_and_its_lane_moves_on() {
     assert_eq!(broker.stats().acked, 1);
     assert_eq!(broker.stats().dead_lettered, 2);
 
-    // A later redelivery of the dead-lettered message is a duplicate: no second record.
+    // A later redelivery of the dead-lettered message (say its broker-side dead-letter copy
+    // was never confirmed) goes to the broker's dead-letter destination again, with its
+    // recorded reason, without running the handler or recording a second dead letter.
     let again = MemoryBroker::new("payments");
     again.publish_in_lane("l", "poison", deposit("alice", 1, "l", 0));
     again.close();
+    let calls = handler.calls();
     drain("poison", &db, &again, handler.clone()).await;
-    assert_eq!(again.stats().acked, 1);
+    assert_eq!(handler.calls(), calls);
+    assert_eq!((again.stats().acked, again.stats().dead_lettered), (0, 1));
+    let (_, resent) = &again.dead_letters()[0];
+    assert_eq!(
+        (resent.reason, resent.error.as_str()),
+        (DeadLetterReason::Permanent, "account is closed")
+    );
     assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 2);
 }
 
@@ -838,12 +847,12 @@ mod positions {
     }
 
     #[tokio::test]
-    async fn positions_are_stored_with_effects_dead_letters_and_duplicates() {
+    async fn positions_are_stored_with_effects_and_duplicates_not_dead_letters() {
         let db = TestDb::new(10).await;
         let source = Positioned(
             vec![
                 (0, 0, r#"{"account":"a","amount":1,"lane":"0","idx":0}"#),
-                (0, 1, "not json"), // dead-lettered: the position still moves past it
+                (0, 1, "not json"), // dead-lettered: only the next processed message moves past it
                 (1, 7, r#"{"account":"a","amount":1,"lane":"1","idx":7}"#),
             ]
             .into_iter(),
@@ -859,7 +868,9 @@ mod positions {
             .unwrap();
         let mut got = db.inbox().load_positions("positions", "orders").await.unwrap();
         got.sort();
-        assert_eq!(got, [("0".to_string(), 2), ("1".to_string(), 8)]);
+        // Partition 0 ends on a dead letter: its position stays before it, so a restart sees it
+        // again and resends it to the broker's dead-letter destination.
+        assert_eq!(got, [("0".to_string(), 1), ("1".to_string(), 8)]);
         assert!(db
             .inbox()
             .load_positions("positions", "other")
