@@ -109,9 +109,8 @@ impl AmqpConfig {
     /// Whether to declare the topology on every (re)connect (default `true`):
     ///
     /// - the work queue: durable, no arguments;
-    /// - the retry queue: durable, `x-dead-letter-exchange = ""` and
-    ///   `x-dead-letter-routing-key = <queue>`, so a copy whose per-message TTL expires goes
-    ///   back to the work queue through the default exchange;
+    /// - the retry queue: [`retry_queue_arguments`], so a copy whose per-message TTL expires
+    ///   goes back to the work queue through the default exchange, at least once;
     /// - the dead-letter queue: durable, no arguments.
     ///
     /// Turn it off when the queues are managed elsewhere (or the work queue has other
@@ -422,4 +421,30 @@ mod tests {
             .validate()
             .unwrap();
     }
+}
+
+/// The arguments of the retry queue of work queue `queue`: a quorum queue that dead-letters
+/// expired copies back to `queue` through the default exchange, **at least once**
+/// (`x-dead-letter-strategy = at-least-once`, which needs `x-overflow = reject-publish`).
+/// A classic queue dead-letters at most once: a copy lost on the way would leave its message
+/// acked and never retried. Declare your own retry queue with these when
+/// [`AmqpConfig::declare_topology`] is off.
+pub fn retry_queue_arguments(queue: &str) -> lapin::types::FieldTable {
+    use lapin::types::{AMQPValue, FieldTable};
+    let mut t = FieldTable::default();
+    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    t.insert(
+        "x-dead-letter-strategy".into(),
+        AMQPValue::LongString("at-least-once".into()),
+    );
+    t.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    t.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+    t.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(queue.into()),
+    );
+    t
 }

@@ -31,7 +31,7 @@
 //! | situation | RabbitMQ |
 //! |---|---|
 //! | processed, or a duplicate | `basic.ack` (never `multiple`), on the delivery's own channel |
-//! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue dead-letters the copy back to the work queue. Attempts are counted in the inbox database, not in `x-delivery-count` |
+//! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue (a quorum queue, [`retry_queue_arguments`]) dead-letters the copy back to the work queue, at least once. Attempts are counted in the inbox database, not in `x-delivery-count` |
 //! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with headers `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked |
 //! | the ack (or a copy) does not reach the broker | `settle` fails; the message is redelivered and the inbox deduplicates it |
 //! | connection or channel lost, server `basic.cancel` | the supervisor reconnects with backoff, re-declares the topology, re-applies `basic.qos`, consumes again; deliveries of the old channel are never acked on the new one |
@@ -87,8 +87,8 @@ mod source;
 pub mod telemetry;
 
 pub use config::{
-    AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_RECONNECT_MAX,
-    DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
+    retry_queue_arguments, AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT,
+    DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
 };
 pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
 pub use error::Error;

@@ -453,12 +453,7 @@ impl Supervisor {
                 }
             };
             declare(c.queue.as_str().into(), FieldTable::default()).await?;
-            let mut retry_args = FieldTable::default();
-            retry_args.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
-            retry_args.insert(
-                "x-dead-letter-routing-key".into(),
-                AMQPValue::LongString(c.queue.as_str().into()),
-            );
+            let retry_args = crate::config::retry_queue_arguments(c.queue.as_str());
             declare(self.shared.retry_queue.clone(), retry_args).await?;
             declare(self.shared.dead_letter_queue.clone(), FieldTable::default()).await?;
         }

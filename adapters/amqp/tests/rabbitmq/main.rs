@@ -232,6 +232,20 @@ async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_
     };
     let probe = Arc::new(Probe::default());
     let consumer = start(&spec, queue.config(8), &probe, 0).await;
+    // The retry queue dead-letters back at least once, which only a quorum queue does.
+    let listed = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "name", "type", "arguments"])
+        .output()
+        .expect("rabbitmqctl");
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let retry_line = listed
+        .lines()
+        .find(|l| l.starts_with(&format!("{}.retry\t", queue.name)))
+        .unwrap_or_else(|| panic!("no retry queue in {listed}"));
+    assert!(
+        retry_line.contains("quorum") && retry_line.contains("at-least-once"),
+        "{retry_line}"
+    );
     queue
         .publish_all(&[
             (Some("flaky".into()), deposit("alice", 10)),

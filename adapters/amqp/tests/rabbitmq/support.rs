@@ -446,13 +446,7 @@ impl TestQueue {
 }
 
 fn retry_args(queue: &str) -> FieldTable {
-    let mut t = FieldTable::default();
-    t.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
-    t.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(queue.into()),
-    );
-    t
+    txinbox_amqp::retry_queue_arguments(queue)
 }
 
 /// Deletes queues left by earlier runs of this suite (a failed test keeps its own).
