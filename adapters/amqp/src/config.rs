@@ -322,6 +322,32 @@ pub(crate) fn redact_uri(uri: &str) -> String {
     }
 }
 
+/// The arguments of the retry queue of work queue `queue`: a quorum queue that dead-letters
+/// expired copies back to `queue` through the default exchange, **at least once**
+/// (`x-dead-letter-strategy = at-least-once`, which needs `x-overflow = reject-publish`).
+/// A classic queue dead-letters at most once: a copy lost on the way would leave its message
+/// acked and never retried. Declare your own retry queue with these when
+/// [`AmqpConfig::declare_topology`] is off.
+pub fn retry_queue_arguments(queue: &str) -> lapin::types::FieldTable {
+    use lapin::types::{AMQPValue, FieldTable};
+    let mut t = FieldTable::default();
+    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    t.insert(
+        "x-dead-letter-strategy".into(),
+        AMQPValue::LongString("at-least-once".into()),
+    );
+    t.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    t.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
+    t.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString(queue.into()),
+    );
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,30 +447,4 @@ mod tests {
             .validate()
             .unwrap();
     }
-}
-
-/// The arguments of the retry queue of work queue `queue`: a quorum queue that dead-letters
-/// expired copies back to `queue` through the default exchange, **at least once**
-/// (`x-dead-letter-strategy = at-least-once`, which needs `x-overflow = reject-publish`).
-/// A classic queue dead-letters at most once: a copy lost on the way would leave its message
-/// acked and never retried. Declare your own retry queue with these when
-/// [`AmqpConfig::declare_topology`] is off.
-pub fn retry_queue_arguments(queue: &str) -> lapin::types::FieldTable {
-    use lapin::types::{AMQPValue, FieldTable};
-    let mut t = FieldTable::default();
-    t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
-    t.insert(
-        "x-dead-letter-strategy".into(),
-        AMQPValue::LongString("at-least-once".into()),
-    );
-    t.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    t.insert("x-dead-letter-exchange".into(), AMQPValue::LongString("".into()));
-    t.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(queue.into()),
-    );
-    t
 }

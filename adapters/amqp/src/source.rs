@@ -9,7 +9,7 @@ use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
