@@ -91,7 +91,16 @@ impl Partition {
     /// Records a received offset. `false`: not newer than the last one (a replayed fetch);
     /// the message must be ignored.
     pub(crate) fn receive(&mut self, offset: i64) -> bool {
-        if self.last_received.is_some_and(|last| offset <= last) {
+        if let Some(last) = self.last_received.filter(|last| offset <= *last) {
+            // A re-fetch of what this assignment already received is harmless; anything else
+            // (the log truncated and rewritten below what was read) deserves a look.
+            tracing::warn!(
+                topic = %self.topic,
+                lane = %self.lane,
+                offset,
+                last,
+                "ignoring an offset at or below one already received"
+            );
             return false;
         }
         self.last_received = Some(offset);
