@@ -13,6 +13,16 @@
 //! | `txinbox_handler_duration_seconds` | histogram | time in the handler |
 //! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT |
 //! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
+//!
+//! A consumer takes its metric handles from the recorder installed when it is **built**
+//! ([`ConsumerBuilder::build`](crate::ConsumerBuilder::build)), so the per-message path only
+//! increments: install your recorder before building consumers.
+
+use std::sync::Arc;
+
+use metrics::{Counter, Gauge, Histogram};
+
+use crate::source::DeadLetterReason;
 
 /// Counter: messages whose effects committed.
 pub const PROCESSED: &str = "txinbox_processed_total";
@@ -35,7 +45,47 @@ pub const COMMIT_DURATION: &str = "txinbox_commit_duration_seconds";
 /// Gauge: deliveries in flight.
 pub const IN_FLIGHT: &str = "txinbox_in_flight";
 
-pub(crate) fn describe() {
+/// One consumer's metric handles, resolved once when it is built: the per-message path only
+/// increments them (no label allocation, no registry lookup).
+pub(crate) struct Metrics {
+    consumer: Arc<str>,
+    pub(crate) processed: Counter,
+    pub(crate) duplicates: Counter,
+    pub(crate) conflicts: Counter,
+    pub(crate) retries: Counter,
+    pub(crate) ack_failures: Counter,
+    pub(crate) store_errors: Counter,
+    pub(crate) handler_duration: Histogram,
+    pub(crate) commit_duration: Histogram,
+    pub(crate) in_flight: Gauge,
+}
+
+impl Metrics {
+    pub(crate) fn new(consumer: &Arc<str>) -> Self {
+        describe();
+        let label = || [("consumer", consumer.to_string())];
+        Metrics {
+            consumer: consumer.clone(),
+            processed: metrics::counter!(PROCESSED, &label()),
+            duplicates: metrics::counter!(DUPLICATES, &label()),
+            conflicts: metrics::counter!(CONFLICTS, &label()),
+            retries: metrics::counter!(RETRIES, &label()),
+            ack_failures: metrics::counter!(ACK_FAILURES, &label()),
+            store_errors: metrics::counter!(STORE_ERRORS, &label()),
+            handler_duration: metrics::histogram!(HANDLER_DURATION, &label()),
+            commit_duration: metrics::histogram!(COMMIT_DURATION, &label()),
+            in_flight: metrics::gauge!(IN_FLIGHT, &label()),
+        }
+    }
+
+    /// Dead letters are rare and labelled by reason, so their handle is looked up each time.
+    pub(crate) fn dead_letter(&self, reason: DeadLetterReason) {
+        metrics::counter!(DEAD_LETTERS, "consumer" => self.consumer.to_string(), "reason" => reason.as_str())
+            .increment(1);
+    }
+}
+
+fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         PROCESSED,

@@ -23,7 +23,7 @@ use crate::handler::Handler;
 use crate::message::{Fingerprint, IdStrategy};
 use crate::retry::{backoff_ceiling, RetryPolicy};
 use crate::source::{Lane, MessageSource, RetryMode, SourceError};
-use crate::store::{InboxStore, StoreError};
+use crate::store::InboxStore;
 use crate::telemetry;
 
 /// Default for [`ConsumerBuilder::concurrency`].
@@ -217,13 +217,14 @@ where
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
-        telemetry::describe();
         let (healthy, _) = watch::channel(true);
+        let name: Arc<str> = self.name.into();
         Ok(Consumer {
             source: self.source,
             max_in_flight: self.max_in_flight,
             shared: Arc::new(Shared {
-                name: self.name.into(),
+                metrics: telemetry::Metrics::new(&name),
+                name,
                 system: caps.system,
                 retry_mode: caps.retry,
                 store: self.inbox,
@@ -275,6 +276,7 @@ pub(crate) struct Shared<St, H> {
     healthy: watch::Sender<bool>,
     pub(crate) shutdown: CancellationToken,
     fatal: Mutex<Option<Error>>,
+    pub(crate) metrics: telemetry::Metrics,
 }
 
 impl<St, H> Shared<St, H> {
@@ -477,7 +479,7 @@ async fn intake<Src: MessageSource, St, H>(
     tx: mpsc::UnboundedSender<InFlight<Src::Delivery>>,
 ) -> Src {
     let slots = Arc::new(Semaphore::new(max_in_flight));
-    let gauge = metrics::gauge!(telemetry::IN_FLIGHT, "consumer" => shared.name.to_string());
+    let gauge = shared.metrics.in_flight.clone();
     let mut errors = 0u32;
     loop {
         let permit = tokio::select! {
@@ -528,10 +530,4 @@ async fn intake<Src: MessageSource, St, H>(
         }
     }
     source
-}
-
-impl From<StoreError> for Error {
-    fn from(e: StoreError) -> Self {
-        Error::Store(e)
-    }
 }

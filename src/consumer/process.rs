@@ -23,7 +23,6 @@ use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode,
 use crate::store::{
     clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
 };
-use crate::telemetry;
 
 /// How long a settlement may still take once shutdown has begun.
 const SETTLE_GRACE: Duration = Duration::from_secs(10);
@@ -171,7 +170,7 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 }));
             }
             Attempt::Conflict => {
-                metrics::counter!(telemetry::CONFLICTS, "consumer" => shared.name.to_string()).increment(1);
+                shared.metrics.conflicts.increment(1);
                 let error = format!(
                     "message ID {id} was already seen with a different payload fingerprint; the handler was not run"
                 );
@@ -202,7 +201,7 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 // Count the attempt in its own transaction. If the key became terminal meanwhile
                 // (another consumer finished it), the retry will find a duplicate.
                 with_store(shared, || shared.store.record_failure(&entry, &text)).await?;
-                metrics::counter!(telemetry::RETRIES, "consumer" => shared.name.to_string()).increment(1);
+                shared.metrics.retries.increment(1);
                 match shared.retry_mode {
                     RetryMode::Redeliver => return Some(Verdict::Retry(delay)),
                     RetryMode::InPlace => {
@@ -271,7 +270,9 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             .catch_unwind()
             .await
     };
-    metrics::histogram!(telemetry::HANDLER_DURATION, "consumer" => shared.name.to_string())
+    shared
+        .metrics
+        .handler_duration
         .record(started.elapsed().as_secs_f64());
     let error = match result {
         Ok(Ok(())) => match finish(shared, tx, entry, position).await {
@@ -329,7 +330,9 @@ async fn finish<St: InboxStore, H>(
         .commit(tx)
         .await
         .map_err(|e| failed("COMMIT failed (outcome unknown; not acknowledged)", e))?;
-    metrics::histogram!(telemetry::COMMIT_DURATION, "consumer" => shared.name.to_string())
+    shared
+        .metrics
+        .commit_duration
         .record(started.elapsed().as_secs_f64());
     Ok(())
 }
@@ -360,7 +363,7 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     match with_store(shared, || shared.store.dead_letter(&record)).await? {
         DeadLetterOutcome::Recorded | DeadLetterOutcome::AlreadyDeadLettered => dead(reason),
         DeadLetterOutcome::RecordedAsConflict => {
-            metrics::counter!(telemetry::CONFLICTS, "consumer" => shared.name.to_string()).increment(1);
+            shared.metrics.conflicts.increment(1);
             dead(DeadLetterReason::Conflict)
         }
         DeadLetterOutcome::AlreadyProcessed => Some(Verdict::Duplicate),
@@ -405,7 +408,7 @@ fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32
         tracing::info!(error = %e, "inbox transaction contention; backing off");
         return Some(());
     }
-    metrics::counter!(telemetry::STORE_ERRORS, "consumer" => shared.name.to_string()).increment(1);
+    shared.metrics.store_errors.increment(1);
     if failures == 1 {
         tracing::warn!(error = %e, "inbox database unavailable; backing off");
     }
@@ -418,25 +421,23 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     delivery: D,
     verdict: Verdict,
 ) {
-    let consumer = shared.name.to_string();
+    let metrics = &shared.metrics;
     let (outcome, settlement) = match verdict {
         Verdict::Processed => {
-            metrics::counter!(telemetry::PROCESSED, "consumer" => consumer.clone()).increment(1);
+            metrics.processed.increment(1);
             ("processed", Settlement::Ack)
         }
         Verdict::Duplicate => {
-            metrics::counter!(telemetry::DUPLICATES, "consumer" => consumer.clone()).increment(1);
+            metrics.duplicates.increment(1);
             ("duplicate", Settlement::Ack)
         }
         Verdict::Retry(after) => ("retry", Settlement::Retry { after }),
         Verdict::DeadLetterAgain(dl) => {
-            metrics::counter!(telemetry::DEAD_LETTERS, "consumer" => consumer.clone(), "reason" => dl.reason.as_str())
-                .increment(1);
+            metrics.dead_letter(dl.reason);
             ("dead_lettered_again", Settlement::DeadLetter(dl))
         }
         Verdict::DeadLetter(dl) => {
-            metrics::counter!(telemetry::DEAD_LETTERS, "consumer" => consumer.clone(), "reason" => dl.reason.as_str())
-                .increment(1);
+            metrics.dead_letter(dl.reason);
             tracing::warn!(reason = %dl.reason, error = %dl.error, "dead-lettered");
             ("dead_lettered", Settlement::DeadLetter(dl))
         }
@@ -458,7 +459,7 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         // The database side is final; the broker will redeliver and the inbox deduplicates.
         // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
         // broker connection is flapping).
-        metrics::counter!(telemetry::ACK_FAILURES, "consumer" => consumer).increment(1);
+        metrics.ack_failures.increment(1);
         tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
     } else {
         tracing::debug!(outcome, "settled");
