@@ -54,7 +54,8 @@ struct State {
     rng: fastrand::Rng,
     stats: MemoryStats,
     dead_letters: Vec<(Message, DeadLetter)>,
-    acks: Vec<AckRecord>,
+    /// `Some` once [`MemoryBroker::record_acks`] was called: every ack, in order.
+    acks: Option<Vec<AckRecord>>,
 }
 
 #[derive(Debug, Clone)]
@@ -116,7 +117,7 @@ impl MemoryBroker {
                     rng: fastrand::Rng::with_seed(seed),
                     stats: MemoryStats::default(),
                     dead_letters: Vec::new(),
-                    acks: Vec::new(),
+                    acks: None,
                 }),
                 changed: Notify::new(),
             }),
@@ -200,9 +201,15 @@ impl MemoryBroker {
         self.lock().dead_letters.clone()
     }
 
-    /// Every acknowledgement, in order.
+    /// Starts keeping a record of every acknowledgement (off by default: the record grows
+    /// with every message).
+    pub fn record_acks(&self) {
+        self.lock().acks.get_or_insert_with(Vec::new);
+    }
+
+    /// Every acknowledgement since [`record_acks`](Self::record_acks), in order.
     pub fn acks(&self) -> Vec<AckRecord> {
-        self.lock().acks.clone()
+        self.lock().acks.clone().unwrap_or_default()
     }
 
     /// Messages queued plus deliveries not yet settled.
@@ -345,10 +352,12 @@ impl Delivery for MemoryDelivery {
                 }
                 s.outstanding -= 1;
                 s.stats.acked += 1;
-                s.acks.push(AckRecord {
-                    native_id: stored.message.native_id().map(str::to_owned),
-                    at: Instant::now(),
-                });
+                if let Some(acks) = &mut s.acks {
+                    acks.push(AckRecord {
+                        native_id: stored.message.native_id().map(str::to_owned),
+                        at: Instant::now(),
+                    });
+                }
             }
             Settlement::Retry { after } => {
                 inner.lock().stats.retried += 1;

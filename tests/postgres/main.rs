@@ -350,6 +350,7 @@ async fn database_outage_acks_nothing_and_loses_nothing() {
     let cluster = PrivateCluster::start();
     let db = TestDb::on(cluster.options(), 6).await;
     let broker = MemoryBroker::new("payments");
+    broker.record_acks();
     let total = 600u64;
     let consumer = Consumer::builder("outage")
         .source(broker.source())
@@ -390,6 +391,11 @@ async fn database_outage_acks_nothing_and_loses_nothing() {
     assert!(acks_before_stop > 0, "messages flowed before the outage");
     // Transactions that committed just before the stop may be acked a moment after it; after
     // that grace period nothing may be acked until the server is back.
+    assert_eq!(
+        broker.acks().len() as u64,
+        broker.stats().acked,
+        "every ack is on record"
+    );
     let grace = stopped + Duration::from_millis(500);
     let during: Vec<_> = broker
         .acks()
