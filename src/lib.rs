@@ -39,6 +39,7 @@
 //! | `postgres` | yes | [`PostgresInbox`], [`migrate`] |
 //! | `sqlite` | yes | [`SqliteInbox`], [`migrate_sqlite`]: the embedded store (bundled SQLite) |
 //! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
+//! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
 //!
 //! # Observability
 //!
@@ -49,6 +50,7 @@
 //! library never installs a subscriber, recorder or exporter.
 
 mod consumer;
+pub mod crash;
 mod error;
 mod handler;
 mod message;

@@ -257,6 +257,7 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         }
     };
     Span::current().record("txinbox.attempt", attempt);
+    crate::crash::hit(crate::crash::AFTER_CLAIM);
 
     let started = Instant::now();
     let result = {
@@ -276,7 +277,10 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         .record(started.elapsed().as_secs_f64());
     let error = match result {
         Ok(Ok(())) => match finish(shared, tx, entry, position).await {
-            Ok(()) => return Ok(Attempt::Committed),
+            Ok(()) => {
+                crate::crash::hit(crate::crash::AFTER_COMMIT);
+                return Ok(Attempt::Committed);
+            }
             Err(error) => error,
         },
         Ok(Err(error)) => {
@@ -325,6 +329,7 @@ async fn finish<St: InboxStore, H>(
             return Err(failed("storing the position failed", e));
         }
     }
+    crate::crash::hit(crate::crash::AFTER_HANDLER);
     let started = Instant::now();
     store
         .commit(tx)
