@@ -242,13 +242,11 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             return Ok(Attempt::DeadLetteredBefore);
         }
         Claim::Duplicate(_) => {
-            match position {
-                Some(p) => {
-                    store.save_position(&mut *tx, &shared.name, p).await?;
-                    store.commit(tx).await?;
-                }
-                None => drop(tx.rollback().await),
+            store.record_duplicate(&mut *tx, entry).await?;
+            if let Some(p) = position {
+                store.save_position(&mut *tx, &shared.name, p).await?;
             }
+            store.commit(tx).await?;
             return Ok(Attempt::Duplicate);
         }
         Claim::Conflict => {

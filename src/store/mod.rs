@@ -65,6 +65,14 @@ pub trait InboxStore: Send + Sync + 'static {
         position: &Position,
     ) -> Result<(), StoreError>;
 
+    /// Counts one more duplicate delivery of `entry`'s message, in the duplicate's transaction
+    /// (with its position, if any). Read by operators (`txinbox status`); changes no status.
+    async fn record_duplicate(
+        &self,
+        conn: &mut Connection<Self>,
+        entry: &Entry<'_>,
+    ) -> Result<(), StoreError>;
+
     /// Counts a failed attempt and keeps its error, in its own transaction. Returns the number of
     /// attempts now recorded, or `None` if the key has meanwhile become terminal (another
     /// consumer processed or dead-lettered it).

@@ -118,6 +118,9 @@ INSERT INTO txinbox.dead_letters
      source_system, destination, source_partition, source_offset)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
+const RECORD_DUPLICATE: &str =
+    "UPDATE txinbox.inbox SET duplicates = duplicates + 1 WHERE consumer = $1 AND message_id = $2";
+
 const SAVE_POSITION: &str = "\
 INSERT INTO txinbox.positions (consumer, source, lane, next_position)
 VALUES ($1, $2, $3, $4)
@@ -205,6 +208,16 @@ impl InboxStore for PostgresInbox {
             .bind(&*p.source)
             .bind(&*p.lane)
             .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn record_duplicate(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<(), StoreError> {
+        sqlx::query(RECORD_DUPLICATE)
+            .bind(entry.consumer)
+            .bind(entry.id.as_str())
             .execute(conn)
             .await
             .map_err(classify)?;

@@ -111,6 +111,9 @@ INSERT INTO txinbox_dead_letters
      source_system, destination, source_partition, source_offset)
 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
 
+const RECORD_DUPLICATE: &str =
+    "UPDATE txinbox_inbox SET duplicates = duplicates + 1 WHERE consumer = ?1 AND message_id = ?2";
+
 const SAVE_POSITION: &str = "\
 INSERT INTO txinbox_positions (consumer, source, lane, next_position)
 VALUES (?1, ?2, ?3, ?4)
@@ -190,6 +193,20 @@ impl InboxStore for SqliteInbox {
             .bind(&*p.source)
             .bind(&*p.lane)
             .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(classify)?;
+        Ok(())
+    }
+
+    async fn record_duplicate(
+        &self,
+        conn: &mut SqliteConnection,
+        entry: &Entry<'_>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(RECORD_DUPLICATE)
+            .bind(entry.consumer)
+            .bind(entry.id.as_str())
             .execute(conn)
             .await
             .map_err(classify)?;
