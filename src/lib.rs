@@ -54,6 +54,8 @@ pub mod crash;
 mod error;
 mod handler;
 mod message;
+#[cfg(feature = "postgres")]
+pub mod ops;
 mod retry;
 mod router;
 mod source;
