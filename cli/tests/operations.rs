@@ -291,12 +291,10 @@ async fn purge_while_consumer_runs_lets_no_duplicate_through() {
     // Redeliveries of every ID inside the window while the purge runs.
     producer.deposits(&topic, 0, "w", 200).await;
     let purged = purge.await.unwrap().ok();
-    assert_eq!(purged["consumers"][0]["deleted"], 20_000, "{purged:#}");
+    // Every redelivery consumed (the position is stored with each message's outcome).
     db.wait_for(
-        &format!(
-            "SELECT coalesce(sum(duplicates), 0)::bigint FROM txinbox.inbox WHERE consumer = '{consumer}'"
-        ),
-        200,
+        &format!("SELECT next_position FROM txinbox.positions WHERE consumer = '{consumer}'"),
+        400,
         WAIT,
     )
     .await;
@@ -308,6 +306,12 @@ async fn purge_while_consumer_runs_lets_no_duplicate_through() {
         200,
         "no redelivery applied"
     );
+    assert_eq!(
+        duplicates(&db, &consumer).await,
+        200,
+        "every redelivery a duplicate"
+    );
+    assert_eq!(purged["consumers"][0]["deleted"], 20_000, "{purged:#}");
     assert_eq!(
         db.scalar(&format!(
             "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}'"
@@ -383,9 +387,9 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
     )
     .await
     .ok();
-    assert_eq!(first["results"][0]["inbox_reopened"], true, "{first:#}");
     db.wait_for("SELECT count(*) FROM effects WHERE message_id = 'd-1'", 1, WAIT)
         .await;
+    assert_eq!(first["results"][0]["inbox_reopened"], true, "{first:#}");
 
     // Again: the copy is a duplicate.
     let second = txinbox(
@@ -395,17 +399,26 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
     )
     .await
     .ok();
+    // d-1, d-2, the first copy, the second copy: four records consumed.
+    db.wait_for("SELECT max(next_position) FROM txinbox.positions", 4, WAIT)
+        .await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE message_id = 'd-1'")
+            .await,
+        1,
+        "the second copy is not applied"
+    );
+    assert_eq!(
+        db.scalar("SELECT duplicates FROM txinbox.inbox WHERE message_id = 'd-1'")
+            .await,
+        1,
+        "the second copy is counted as a duplicate"
+    );
     assert_eq!(second["results"][0]["inbox_reopened"], false, "{second:#}");
     assert_eq!(
         second["results"][0]["inbox_status_before"], "processed",
         "{second:#}"
     );
-    db.wait_for(
-        "SELECT duplicates FROM txinbox.inbox WHERE message_id = 'd-1'",
-        1,
-        WAIT,
-    )
-    .await;
     running.stop().await;
     assert_eq!(
         db.scalar("SELECT count(*) FROM effects WHERE message_id = 'd-1'")
