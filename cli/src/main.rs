@@ -3,6 +3,7 @@
 //! Subcommands: `migrate`, `status`, `replay`, `purge`, `dead-letters list|show|requeue|discard`.
 //! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
 
+mod amqp;
 mod commands;
 mod error;
 mod kafka;
@@ -41,6 +42,9 @@ struct Cli {
     /// Kafka bootstrap servers (host:port,...), for status, replay and Kafka requeues.
     #[arg(long, global = true, env = "KAFKA_BROKERS")]
     brokers: Option<String>,
+    /// RabbitMQ URL (amqp://user:pass@host:port/vhost), for requeueing RabbitMQ dead letters.
+    #[arg(long, global = true, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -199,6 +203,7 @@ pub(crate) struct Env {
     json: bool,
     database_url: Option<String>,
     brokers: Option<String>,
+    amqp_url: Option<String>,
 }
 
 impl Env {
@@ -271,6 +276,14 @@ impl Env {
         tokio::task::block_in_place(|| kafka::Kafka::connect(brokers))
     }
 
+    /// Connects to RabbitMQ; `why` says what needs it.
+    async fn amqp(&self, why: &str) -> Result<amqp::Amqp, CliError> {
+        let url = self.amqp_url.as_deref().ok_or_else(|| {
+            CliError::BadArgs(format!("{why} needs RabbitMQ: pass --amqp-url or set AMQP_URL"))
+        })?;
+        amqp::Amqp::connect(url).await
+    }
+
     /// A progress bar on stderr, hidden with `--json` or when stderr is not a terminal.
     fn progress(&self, total: u64, what: &str) -> ProgressBar {
         let bar = ProgressBar::new(total);
@@ -293,6 +306,7 @@ fn main() {
         json: cli.json,
         database_url: cli.database_url,
         brokers: cli.brokers,
+        amqp_url: cli.amqp_url,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

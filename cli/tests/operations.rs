@@ -598,3 +598,77 @@ async fn bad_arguments_and_unreachable_services_have_their_exit_codes() {
     assert_eq!(no_kafka.code, 2, "{no_kafka:?}");
     assert!(no_kafka.stderr.contains("KAFKA_BROKERS"), "{no_kafka:?}");
 }
+
+/// Acceptance, RabbitMQ: a dead letter requeued to its original queue (AMQP `message_id`
+/// restored, so the `native` ID is the same) is applied once after the fix; again: a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq_dead_letter_requeue_applies_once_then_is_a_duplicate() {
+    let db = TestDb::new().await;
+    let url = amqp_url();
+    let consumer = consumer_name();
+    let queue = format!("cli-{consumer}");
+    db.exec("INSERT INTO blocked VALUES ('acct-bad')").await;
+    let running = Running::start_amqp(&db, &url, &consumer, &queue).await;
+    amqp_publish(&url, &queue, "m-1", &deposit("acct-bad", 3)).await;
+    db.wait_for("SELECT count(*) FROM txinbox.dead_letters", 1, WAIT)
+        .await;
+    let id = db.scalar("SELECT id FROM txinbox.dead_letters").await.to_string();
+    db.exec("DELETE FROM blocked").await;
+
+    let requeue = |id: String| {
+        let (db_url, url) = (db.url.clone(), url.clone());
+        async move {
+            let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"));
+            cmd.args(["--json", "dead-letters", "requeue", &id])
+                .env("DATABASE_URL", &db_url)
+                .env("AMQP_URL", &url)
+                .env_remove("KAFKA_BROKERS");
+            let out = cmd.output().await.unwrap();
+            assert!(out.status.success(), "{out:?}");
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        }
+    };
+    let first = requeue(id.clone()).await;
+    db.wait_for("SELECT count(*) FROM effects WHERE message_id = 'm-1'", 1, WAIT)
+        .await;
+    assert_eq!(first["results"][0]["inbox_reopened"], true, "{first:#}");
+    let second = requeue(id.clone()).await;
+    db.wait_for(
+        "SELECT duplicates FROM txinbox.inbox WHERE message_id = 'm-1'",
+        1,
+        WAIT,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.stop().await;
+    amqp_delete(&url, &queue).await;
+    assert_eq!(
+        second["results"][0]["inbox_status_before"], "processed",
+        "{second:#}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE message_id = 'm-1'")
+            .await,
+        1
+    );
+    assert_eq!(
+        db.scalar("SELECT balance FROM accounts WHERE id = 'acct-bad'")
+            .await,
+        3
+    );
+
+    // Unreachable RabbitMQ: exit 3, named without the password.
+    let down = tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"))
+        .args(["dead-letters", "requeue", &id])
+        .env("DATABASE_URL", &db.url)
+        .env("AMQP_URL", "amqp://guest:sekret@127.0.0.1:1/%2f")
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&down.stderr);
+    assert_eq!(down.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("RabbitMQ at 127.0.0.1:1/%2f") && !stderr.contains("sekret"),
+        "{stderr}"
+    );
+}

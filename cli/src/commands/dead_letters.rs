@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 use txinbox::ops::dead_letters::{self, DeadLetterRow, Filter, Requeue};
 
 use crate::error::{db, exit, CliError};
-use crate::{kafka, DeadLetterCommand, Env, Report};
+use crate::{amqp, kafka, DeadLetterCommand, Env, Report};
 
 /// Header added to a requeued copy: the dead letter it came from (not part of the fingerprint).
 pub const REQUEUED_FROM: &str = "txinbox.requeued.dead-letter-id";
@@ -102,9 +102,9 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             let mut out = Vec::new();
             let mut text = String::new();
             let mut code = exit::OK;
-            let mut kafka = None;
+            let mut services = Publishers::default();
             for id in ids {
-                match requeue(env, &pool, &mut kafka, id, force).await {
+                match requeue(env, &pool, &mut services, id, force).await {
                     Ok((json, line)) => {
                         out.push(json);
                         text.push_str(&line);
@@ -129,10 +129,17 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
     }
 }
 
+/// Broker connections opened on first use, shared by the requeues of one run.
+#[derive(Default)]
+struct Publishers {
+    kafka: Option<(kafka::Kafka, rdkafka::producer::FutureProducer)>,
+    amqp: Option<amqp::Amqp>,
+}
+
 async fn requeue(
     env: &Env,
     pool: &txinbox::sqlx::PgPool,
-    kafka: &mut Option<(kafka::Kafka, rdkafka::producer::FutureProducer)>,
+    services: &mut Publishers,
     id: i64,
     force: bool,
 ) -> Result<(Value, String), CliError> {
@@ -169,18 +176,6 @@ async fn requeue(
         }
         _ => {}
     }
-    if r.source_system != "kafka" {
-        return Err(CliError::failed(format!(
-            "requeue of `{}` dead letters is not supported by this tool yet; only Kafka-originated dead letters can be requeued",
-            r.source_system
-        )));
-    }
-    if kafka.is_none() {
-        let k = env.kafka("requeueing a Kafka dead letter")?;
-        let producer = k.producer()?;
-        *kafka = Some((k, producer));
-    }
-    let (_, producer) = kafka.as_ref().expect("connected above");
     let mut headers: Vec<(String, Vec<u8>)> = r
         .original_headers()
         .iter()
@@ -189,15 +184,37 @@ async fn requeue(
     headers.push((REQUEUED_FROM.into(), id.to_string().into_bytes()));
     // The inbox row stays locked until commit: a consumer receiving the copy first waits, then
     // sees the reopened row.
-    let (partition, offset) =
-        kafka::produce(producer, &r.destination, r.source_partition, &r.payload, &headers)
-            .await
-            .map_err(|e| {
-                CliError::failed(format!(
-                    "publishing to {} failed ({e}); nothing changed",
-                    r.destination
-                ))
-            })?;
+    let (partition, offset) = match r.source_system.as_str() {
+        "kafka" => {
+            if services.kafka.is_none() {
+                let k = env.kafka("requeueing a Kafka dead letter")?;
+                let producer = k.producer()?;
+                services.kafka = Some((k, producer));
+            }
+            let (_, producer) = services.kafka.as_ref().expect("connected above");
+            let (p, o) = kafka::produce(producer, &r.destination, r.source_partition, &r.payload, &headers)
+                .await
+                .map_err(|e| CliError::failed(format!("publishing to {} failed ({e}); nothing changed", r.destination)))?;
+            (Some(p), Some(o))
+        }
+        "rabbitmq" => {
+            if services.amqp.is_none() {
+                services.amqp = Some(env.amqp("requeueing a RabbitMQ dead letter").await?);
+            }
+            let amqp = services.amqp.as_ref().expect("connected above");
+            headers.retain(|(k, _)| !amqp::is_bookkeeping(k));
+            let native = (r.id_strategy.as_deref() == Some("native")).then_some(r.message_id.as_deref()).flatten();
+            amqp.publish(&r.destination, &r.payload, &headers, native)
+                .await
+                .map_err(|e| CliError::failed(format!("publishing to queue {} failed ({e}); nothing changed", r.destination)))?;
+            (None, None)
+        }
+        other => {
+            return Err(CliError::failed(format!(
+                "it came from `{other}`, which this tool cannot publish to; only Kafka and RabbitMQ dead letters can be requeued"
+            )))
+        }
+    };
     let (reopened, before, consumer, message_id, topic) = (
         rq.reopened,
         rq.inbox_before.map(|s| s.as_str()),
@@ -207,7 +224,7 @@ async fn requeue(
     );
     rq.commit().await.map_err(|e| {
         CliError::failed(format!(
-            "the copy was published to {topic}/{partition}@{offset}, but recording the requeue failed ({e}); the inbox row is unchanged, so the consumer dead-letters the copy again: run the requeue again"
+            "the copy was published to {topic}, but recording the requeue failed ({e}); the inbox row is unchanged, so the consumer dead-letters the copy again: run the requeue again"
         ))
     })?;
     let outcome = if reopened {
@@ -220,8 +237,12 @@ async fn requeue(
         "the inbox row was left as it is"
     };
     let line = format!(
-        "dead letter {id} ({consumer}, message {}) requeued to {topic}/{partition}@{offset}: {outcome}\n",
-        message_id.as_deref().unwrap_or("-")
+        "dead letter {id} ({consumer}, message {}) requeued to {topic}{}: {outcome}\n",
+        message_id.as_deref().unwrap_or("-"),
+        match (partition, offset) {
+            (Some(p), Some(o)) => format!("/{p}@{o}"),
+            _ => String::new(),
+        }
     );
     Ok((
         json!({

@@ -310,6 +310,28 @@ impl Running {
         }
     }
 
+    /// A consumer of RabbitMQ queue `queue` (the adapter declares it, `.retry` and `.dlq`).
+    pub async fn start_amqp(db: &TestDb, url: &str, consumer: &str, queue: &str) -> Running {
+        let config = txinbox_amqp::AmqpConfig::new(url, queue).publish_timeout(Duration::from_secs(5));
+        let source = txinbox_amqp::AmqpSource::connect(config)
+            .await
+            .expect("AmqpSource connects (is RabbitMQ running? scripts/test starts it)");
+        let consumer = txinbox::Consumer::builder(consumer)
+            .source(source)
+            .inbox(txinbox::PostgresInbox::new(db.pool.clone()))
+            .handler(DepositHandler)
+            .build()
+            .expect("consumer");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_until(async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stop: Some(stop),
+            task,
+        }
+    }
+
     pub async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         tokio::time::timeout(Duration::from_secs(30), &mut self.task)
@@ -318,6 +340,54 @@ impl Running {
             .expect("consumer task")
             .expect("consumer ran without a fatal error");
     }
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Publishes `payload` to `queue` (default exchange) with AMQP `message_id` = `id`, confirmed.
+pub async fn amqp_publish(url: &str, queue: &str, id: &str, payload: &str) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .expect("connect to AMQP_URL");
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            payload.as_bytes(),
+            lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(id.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "published");
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// Deletes `queue` and its `.retry` and `.dlq` queues.
+pub async fn amqp_delete(url: &str, queue: &str) {
+    use lapin::options::QueueDeleteOptions;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .expect("connect to AMQP_URL");
+    let channel = conn.create_channel().await.unwrap();
+    for q in [queue.to_owned(), format!("{queue}.retry"), format!("{queue}.dlq")] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "done".into()).await;
 }
 
 /// The result of one run of the `txinbox` binary.
