@@ -14,6 +14,9 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::error::CliError;
 
+/// A producer for requeued records.
+pub type Producer = FutureProducer;
+
 /// How long one broker request may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
 

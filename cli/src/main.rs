@@ -3,9 +3,17 @@
 //! Subcommands: `migrate`, `status`, `replay`, `purge`, `dead-letters list|show|requeue|discard`.
 //! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
 
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(not(feature = "amqp"))]
+#[path = "amqp_off.rs"]
 mod amqp;
 mod commands;
 mod error;
+#[cfg(feature = "kafka")]
+mod kafka;
+#[cfg(not(feature = "kafka"))]
+#[path = "kafka_off.rs"]
 mod kafka;
 
 use std::io::IsTerminal;
@@ -18,6 +26,8 @@ use txinbox::sqlx::{ConnectOptions as _, Connection as _};
 use txinbox::{Fingerprint, IdStrategy};
 
 use error::{exit, CliError};
+#[cfg(not(feature = "kafka"))]
+use kafka::Kafka;
 
 const AFTER_HELP: &str = "\
 Exit codes:
@@ -352,7 +362,10 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
             ))
         }
         Command::Status(a) => commands::status::run(env, a.consumer.as_deref(), a.group.as_deref()).await,
+        #[cfg(feature = "kafka")]
         Command::Replay(a) => commands::replay::run(env, a).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Replay(_) => Kafka::connect("").map(|k| match k {}),
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
     }

@@ -132,7 +132,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
 /// Broker connections opened on first use, shared by the requeues of one run.
 #[derive(Default)]
 struct Publishers {
-    kafka: Option<(kafka::Kafka, rdkafka::producer::FutureProducer)>,
+    kafka: Option<(kafka::Kafka, kafka::Producer)>,
     amqp: Option<amqp::Amqp>,
 }
 

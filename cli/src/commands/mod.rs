@@ -2,6 +2,7 @@
 
 pub mod dead_letters;
 pub mod purge;
+#[cfg(feature = "kafka")]
 pub mod replay;
 pub mod status;
 
