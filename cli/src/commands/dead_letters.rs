@@ -47,7 +47,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             }
             let _ = writeln!(text, "{} dead letter(s)", rows.len());
             Ok(Report::ok(
-                json!({ "dead_letters": rows.iter().map(|r| summary(r)).collect::<Vec<_>>() }),
+                json!({ "dead_letters": rows.iter().map(summary).collect::<Vec<_>>() }),
                 text,
             ))
         }
