@@ -161,11 +161,20 @@ async fn replay_after_database_restore_applies_exactly_the_missing() {
     let db = TestDb::new().await;
     let topic = create_topic(&brokers, 1).await;
     let consumer = consumer_name();
-    Producer::new(&brokers).deposits(&topic, 0, "r", 40).await;
+    let producer = Producer::new(&brokers);
+    producer.deposits(&topic, 0, "r", 40).await;
+    // Offset 40: r-3 again with another payload (a conflict); offset 41: r-39 again, same
+    // payload (a duplicate inside the replayed range).
+    producer.send(&topic, 0, "r-3", &deposit("acct-z", 999)).await;
+    producer.send(&topic, 0, "r-39", &deposit("acct-4", 40)).await;
 
     let running = Running::start(&db, &brokers, &consumer, &topic);
-    db.wait_for("SELECT count(*) FROM effects", 40, WAIT).await;
+    let position = format!(
+        "SELECT coalesce(max(next_position), 0) FROM txinbox.positions WHERE consumer = '{consumer}'"
+    );
+    db.wait_for(&position, 42, WAIT).await;
     running.stop().await;
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 40);
 
     // The restore: business tables and inbox as of 25 messages (one transaction, as a backup
     // would be consistent); the position table kept from later, so the consumer alone would
@@ -199,9 +208,13 @@ async fn replay_after_database_restore_applies_exactly_the_missing() {
     .await
     .ok();
     assert_eq!(
-        (dry["applied"].as_i64(), dry["new"].as_i64()),
-        (Some(25), Some(15)),
-        "{dry:#}"
+        (
+            dry["applied"].as_i64(),
+            dry["new"].as_i64(),
+            dry["conflicting"].as_i64()
+        ),
+        (Some(26), Some(15), Some(1)),
+        "r-0..r-24 and the second r-39 are skipped, r-25..r-39 new, the other r-3 conflicts: {dry:#}"
     );
 
     txinbox(
@@ -220,24 +233,21 @@ async fn replay_after_database_restore_applies_exactly_the_missing() {
     )
     .await
     .ok();
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(0));
     let running = Running::start(&db, &brokers, &consumer, &topic);
-    db.wait_for("SELECT count(*) FROM effects", 40, WAIT).await;
-    db.wait_for(
-        &format!(
-            "SELECT coalesce(sum(duplicates), 0)::bigint FROM txinbox.inbox WHERE consumer = '{consumer}'"
-        ),
-        25,
-        WAIT,
-    )
-    .await;
+    db.wait_for(&position, 42, WAIT).await;
     running.stop().await;
     assert_eq!(db.assert_none_twice().await, 40, "every message applied once");
     let restored: i64 = db
         .scalar("SELECT count(*) FROM effects WHERE substr(message_id, 3)::int >= 25")
         .await;
     assert_eq!(restored, 15, "exactly the missing messages applied");
-    assert_eq!(duplicates(&db, &consumer).await, 25);
-    assert_eq!(db.position(&consumer, &topic, 0).await, Some(40));
+    assert_eq!(
+        duplicates(&db, &consumer).await,
+        26,
+        "r-0..r-24 and the second r-39"
+    );
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(42));
 }
 
 /// Acceptance: a purge running while a consumer processes redeliveries of IDs inside the window

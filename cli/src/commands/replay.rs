@@ -237,22 +237,18 @@ async fn dry_run(
     // duplicate (or conflict) of that copy, not new again.
     let mut seen: HashMap<String, [u8; 32]> = HashMap::new();
     for p in plans {
-        let mut records = Vec::new();
+        // Only the ID and fingerprint of each record are kept, not the records.
+        let mut derived_all: Vec<(Option<String>, [u8; 32])> = Vec::new();
         tokio::task::block_in_place(|| {
             kafka.read_range(&a.topic, p.partition, p.start, p.high, |r| {
                 bar.inc(1);
-                records.push(r)
+                let m = message(&a.topic, p.partition, &r);
+                let id = a.id_strategy.derive(&m).ok().map(|id| id.as_str().to_owned());
+                derived_all.push((id, a.fingerprint.of(&m)));
             })
         })?;
-        for chunk in records.chunks(1000) {
-            let derived: Vec<(Option<String>, [u8; 32])> = chunk
-                .iter()
-                .map(|r| {
-                    let m = message(&a.topic, p.partition, r);
-                    let id = a.id_strategy.derive(&m).ok().map(|id| id.as_str().to_owned());
-                    (id, a.fingerprint.of(&m))
-                })
-                .collect();
+        for chunk in derived_all.chunks(1000) {
+            let derived = chunk.to_vec();
             let ids: Vec<String> = derived.iter().filter_map(|(id, _)| id.clone()).collect();
             let rows = replay::lookup(pool, &a.consumer, &ids)
                 .await
