@@ -429,7 +429,46 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
         second["results"][0]["inbox_status_before"], "processed",
         "{second:#}"
     );
+    // A conflict (d-2 again with another payload) is dead-lettered; requeueing it is refused.
+    producer.send(&topic, 0, "d-2", &deposit("acct-ok", 500)).await;
+    db.wait_for("SELECT count(*) FROM txinbox.dead_letters", 2, WAIT)
+        .await;
     running.stop().await;
+    let conflict = db
+        .scalar("SELECT id FROM txinbox.dead_letters WHERE reason = 'conflict'")
+        .await
+        .to_string();
+    let refused = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", &conflict]).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("conflict"), "{refused:?}");
+
+    // A binary payload is shown as hex; status reads as text too, and a topic the broker no
+    // longer has is reported, not fatal.
+    db.exec(&format!(
+        "INSERT INTO txinbox.dead_letters (consumer, reason, error, attempts, payload, headers, source_system, destination)
+         VALUES ('{consumer}', 'undecodable', 'not JSON', 0, '\\xff00'::bytea, '[]', 'kafka', '{topic}');
+         INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ('{consumer}', 'gone-{topic}', '0', 5);"
+    ))
+    .await;
+    let binary = db
+        .scalar("SELECT id FROM txinbox.dead_letters WHERE reason = 'undecodable'")
+        .await
+        .to_string();
+    let show = txinbox(&db.url, None, &["--json", "dead-letters", "show", &binary])
+        .await
+        .ok();
+    assert_eq!(show["payload_hex"], "ff00", "{show:#}");
+    let text = txinbox(&db.url, Some(&brokers), &["status", "--consumer", &consumer]).await;
+    assert_eq!(text.code, 0, "{text:?}");
+    assert!(text.stdout.contains(&format!("consumer {consumer}")), "{text:?}");
+    assert!(
+        text.stdout.contains("dead letters 3 (2 pending)  conflicts 1"),
+        "{text:?}"
+    );
+    assert!(
+        text.stdout.contains(&format!("warning: gone-{topic}")),
+        "{text:?}"
+    );
     assert_eq!(
         db.scalar("SELECT count(*) FROM effects WHERE message_id = 'd-1'")
             .await,

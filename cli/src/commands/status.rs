@@ -8,6 +8,7 @@ use txinbox::ops::status;
 
 use super::{num, when};
 use crate::error::{db, CliError};
+use crate::kafka::Kafka;
 use crate::{Env, Report};
 
 pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Result<Report, CliError> {
@@ -45,22 +46,30 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
             }
         }
         let mut partitions = Vec::new();
+        let mut topic_errors = Vec::new();
         for (topic, stored) in &topics {
-            let (all, committed) = match &kafka {
-                Some(k) => tokio::task::block_in_place(|| -> Result<_, CliError> {
-                    let all = k.partitions(topic)?;
-                    let committed = k.committed(group, topic, &all)?;
-                    Ok((all, committed))
-                })?,
-                None => (stored.keys().copied().collect(), Default::default()),
+            // What the broker says; a topic it no longer knows is reported, not fatal.
+            let broker = match &kafka {
+                Some(k) => match tokio::task::block_in_place(|| broker_view(k, group, topic)) {
+                    Ok(view) => Some(view),
+                    Err(e @ CliError::Unreachable { .. }) => return Err(e),
+                    Err(e) => {
+                        topic_errors.push(json!({ "topic": topic, "error": e.to_string() }));
+                        None
+                    }
+                },
+                None => None,
+            };
+            let all: Vec<i32> = match &broker {
+                Some(v) => v.keys().copied().collect(),
+                None => stored.keys().copied().collect(),
             };
             for p in all {
                 let db_position = stored.get(&p).copied();
-                let high = match &kafka {
-                    Some(k) => Some(tokio::task::block_in_place(|| k.watermarks(topic, p))?.1),
-                    None => None,
+                let (group_offset, high) = match broker.as_ref().and_then(|v| v.get(&p)) {
+                    Some((g, h)) => (*g, Some(*h)),
+                    None => (None, None),
                 };
-                let group_offset = committed.get(&p).copied().flatten();
                 let lag = high.and_then(|h| db_position.or(group_offset).map(|pos| (h - pos).max(0)));
                 partitions.push(json!({
                     "topic": topic, "partition": p, "database_position": db_position,
@@ -101,6 +110,14 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
                     num(p["lag"].as_i64()),
                 );
             }
+            for e in &topic_errors {
+                let _ = writeln!(
+                    text,
+                    "  warning: {}: {}",
+                    e["topic"].as_str().unwrap_or(""),
+                    e["error"].as_str().unwrap_or("")
+                );
+            }
             if kafka.is_none() {
                 let _ = writeln!(
                     text,
@@ -121,10 +138,25 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
             "oldest_retained": s.oldest_retained.map(|t| t.to_string()),
             "retention_horizon": s.retention_horizon.map(|t| t.to_string()),
             "partitions": partitions,
+            "topic_errors": topic_errors,
         }));
     }
     if summaries.is_empty() {
         text.push_str("no consumers yet\n");
     }
     Ok(Report::ok(json!({ "consumers": out }), text))
+}
+
+/// Partition → (group committed offset, high watermark) for every partition of `topic`.
+fn broker_view(k: &Kafka, group: &str, topic: &str) -> Result<BTreeMap<i32, (Option<i64>, i64)>, CliError> {
+    let all = k.partitions(topic)?;
+    let committed = k.committed(group, topic, &all)?;
+    all.into_iter()
+        .map(|p| {
+            Ok((
+                p,
+                (committed.get(&p).copied().flatten(), k.watermarks(topic, p)?.1),
+            ))
+        })
+        .collect()
 }
