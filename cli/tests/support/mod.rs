@@ -37,6 +37,7 @@ pub fn brokers() -> Option<String> {
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
+static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 fn unique(prefix: &str) -> String {
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
@@ -66,6 +67,25 @@ impl TestDb {
             .connect()
             .await
             .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
+        CLEANED
+            .get_or_init(|| async {
+                // Databases left by earlier runs that nobody is connected to (a concurrent run
+                // of these tests keeps its own connected).
+                let stale: Vec<String> = sqlx::query_scalar(
+                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_cli\\_t\\_%'
+                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+                )
+                .fetch_all(&mut admin.connect().await.unwrap())
+                .await
+                .unwrap();
+                let mut c = admin.connect().await.unwrap();
+                for db in stale {
+                    let _ = c
+                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                        .await;
+                }
+            })
+            .await;
         conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .await
             .unwrap();
