@@ -721,3 +721,42 @@ async fn rabbitmq_dead_letter_requeue_applies_once_then_is_a_duplicate() {
         "{stderr}"
     );
 }
+
+/// Replay to a time: the start is the first record at or after it (Kafka `offsets_for_times`).
+/// (Runs on tansu, which answers timestamp lookups; real Kafka semantics are the same API.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
+    let Some(brokers) = brokers() else { return };
+    let db = TestDb::new().await;
+    let topic = create_topic(&brokers, 1).await;
+    let consumer = consumer_name();
+    let producer = Producer::new(&brokers);
+    producer.deposits(&topic, 0, "a", 5).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let between = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        .to_string();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    producer.deposits(&topic, 0, "b", 5).await;
+    let dry = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "--json",
+            "replay",
+            "--consumer",
+            &consumer,
+            "--topic",
+            &topic,
+            "--to-timestamp",
+            &between,
+            "--dry-run",
+        ],
+    )
+    .await
+    .ok();
+    assert_eq!(dry["partitions"][0]["start"], 5, "{dry:#}");
+    assert_eq!(dry["new"], 5, "{dry:#}");
+}
