@@ -31,6 +31,8 @@
 //! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
 //!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
+//! - [`ops`] (feature `postgres`): the operator queries behind the `txinbox` CLI (status,
+//!   retention, replay positions, dead letters).
 //!
 //! # Features
 //!
@@ -54,6 +56,8 @@ pub mod crash;
 mod error;
 mod handler;
 mod message;
+#[cfg(feature = "postgres")]
+pub mod ops;
 mod retry;
 mod router;
 mod source;

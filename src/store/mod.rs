@@ -334,7 +334,7 @@ pub(crate) fn clean_text(s: &str) -> String {
 /// Headers as a JSON array of `{"name": .., "value": ..}`. A name or value that is not valid
 /// UTF-8, or contains NUL (which `jsonb` rejects), is stored hex-encoded under `name_hex` /
 /// `value_hex` instead, so nothing is lost.
-fn headers_json(headers: &Headers) -> serde_json::Value {
+pub(crate) fn headers_json(headers: &Headers) -> serde_json::Value {
     fn field(obj: &mut serde_json::Map<String, serde_json::Value>, key: &str, bytes: &[u8]) {
         match std::str::from_utf8(bytes) {
             Ok(s) if !s.contains('\0') => {

@@ -1,0 +1,297 @@
+//! `txinbox replay`: move a consumer's Kafka position back (or forward).
+//!
+//! The database position is what a consumer starts from when it is assigned a partition, so
+//! replay writes it (in one transaction for all partitions); it also commits the group offset
+//! (for lag tools) when the group has no active member. Applied messages are never applied
+//! again because the consumer's inbox deduplicates every replayed delivery; replay refuses to
+//! start before the retention horizon (whose IDs may be purged) unless `--force`.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use serde_json::json;
+use txinbox::ops::replay::{self, Verdict};
+use txinbox::ops::{retention, status, Timestamp};
+use txinbox::{Headers, Message, Origin};
+
+use crate::error::{db, CliError};
+use crate::kafka::{Kafka, Record};
+use crate::{Env, ReplayArgs, Report};
+
+/// Where one partition will start.
+struct Plan {
+    partition: i32,
+    low: i64,
+    high: i64,
+    start: i64,
+    database_position: Option<i64>,
+    group_offset: Option<i64>,
+}
+
+pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
+    let pool = env.db(false).await?;
+    let kafka = env.kafka("replay")?;
+    let group = a.group.clone().unwrap_or_else(|| a.consumer.clone());
+    let topic = a.topic.as_str();
+
+    let plans = tokio::task::block_in_place(|| plan(&kafka, &a, &group))?;
+    let stored: HashMap<i32, i64> = status::positions(&pool, Some(&a.consumer), Some(topic))
+        .await
+        .map_err(db("reading positions"))?
+        .into_iter()
+        .filter_map(|p| Some((p.lane.parse().ok()?, p.next_position)))
+        .collect();
+    let plans: Vec<Plan> = plans
+        .into_iter()
+        .map(|p| Plan {
+            database_position: stored.get(&p.partition).copied(),
+            ..p
+        })
+        .collect();
+
+    // The retention horizon: IDs of messages that finished before it may be purged.
+    let horizon = retention::horizon(&pool, &a.consumer)
+        .await
+        .map_err(db("reading the retention horizon"))?;
+    let mut before_horizon = Vec::new();
+    if let Some(h) = horizon {
+        for p in plans.iter().filter(|p| p.start < p.high) {
+            let mut first = None;
+            tokio::task::block_in_place(|| {
+                kafka.read_range(topic, p.partition, p.start, p.start + 1, |r| {
+                    first = Some(r.timestamp)
+                })
+            })?;
+            match first {
+                Some(Some(ts)) if ts >= h.0 => {}
+                Some(ts) => before_horizon.push(json!({
+                    "partition": p.partition, "offset": p.start,
+                    "record_timestamp": ts.map(|t| Timestamp(t).to_string()),
+                })),
+                None => {}
+            }
+        }
+    }
+
+    let mut report = json!({
+        "consumer": a.consumer, "group": group, "topic": topic, "dry_run": a.dry_run,
+        "retention_horizon": horizon.map(|t| t.to_string()),
+        "before_horizon": before_horizon,
+        "partitions": plans.iter().map(|p| json!({
+            "partition": p.partition, "low_watermark": p.low, "high_watermark": p.high,
+            "start": p.start, "database_position": p.database_position, "group_offset": p.group_offset,
+        })).collect::<Vec<_>>(),
+    });
+    let mut text = String::new();
+    for p in &plans {
+        let _ = writeln!(
+            text,
+            "{topic}/{}: start {} (database position {}, group offset {}, watermarks {}..{})",
+            p.partition,
+            p.start,
+            super::num(p.database_position),
+            super::num(p.group_offset),
+            p.low,
+            p.high
+        );
+    }
+    let horizon_refusal = (!before_horizon.is_empty()).then(|| {
+        format!(
+            "the replay range starts before the retention horizon {} (records produced before it may have had their inbox rows purged, so they would be applied again): choose a later start, or pass --force if re-applying them is acceptable",
+            horizon.map(|h| h.to_string()).unwrap_or_default()
+        )
+    });
+
+    if a.dry_run {
+        let counts = dry_run(env, &pool, &kafka, &a, &plans).await?;
+        for (key, value) in &counts {
+            report[key.as_str()] = json!(value);
+        }
+        let total: u64 = counts.values().sum();
+        let _ = writeln!(
+            text,
+            "{total} records in the range: {} already applied (would be skipped), {} new, {} conflicting, {} dead-lettered, {} retrying, {} without an ID",
+            counts["applied"], counts["new"], counts["conflicting"], counts["dead_lettered"], counts["retrying"], counts["missing_id"]
+        );
+        if let Some(r) = &horizon_refusal {
+            let _ = writeln!(text, "warning: {r}");
+            report["warning"] = json!(r);
+        }
+        return Ok(Report::ok(report, text));
+    }
+
+    if let Some(r) = horizon_refusal.filter(|_| !a.force) {
+        return Err(CliError::Failed(r));
+    }
+    let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
+    if !members.is_empty() && !a.force {
+        return Err(CliError::failed(format!(
+            "consumer group {group} has {} active member(s): {}. Stop the consumers first (a running consumer overwrites the database position with its own progress; replay takes effect when they start), or pass --force",
+            members.len(),
+            members.join(", ")
+        )));
+    }
+
+    let positions: Vec<(String, i64)> = plans.iter().map(|p| (p.partition.to_string(), p.start)).collect();
+    replay::set_positions(&pool, &a.consumer, topic, &positions)
+        .await
+        .map_err(db("setting the database positions"))?;
+    let offsets: Vec<(i32, i64)> = plans.iter().map(|p| (p.partition, p.start)).collect();
+    let committed = if members.is_empty() {
+        tokio::task::block_in_place(|| kafka.commit(&group, topic, &offsets))
+    } else {
+        Err("the group has active members".to_owned())
+    };
+    report["database_positions_set"] = json!(true);
+    report["group_offsets_committed"] = json!(committed.is_ok());
+    let _ = writeln!(text, "database positions set for {} partition(s)", plans.len());
+    match committed {
+        Ok(()) => {
+            let _ = writeln!(text, "group {group} offsets committed");
+        }
+        Err(e) => {
+            let _ = writeln!(
+                text,
+                "warning: group {group} offsets not committed ({e}); the database positions decide where the consumers start"
+            );
+            report["group_commit_error"] = json!(e);
+        }
+    }
+    let _ = writeln!(
+        text,
+        "start the consumers: they resume from these positions; the inbox skips what is already applied"
+    );
+    Ok(Report::ok(report, text))
+}
+
+/// Resolves the start of every selected partition.
+fn plan(kafka: &Kafka, a: &ReplayArgs, group: &str) -> Result<Vec<Plan>, CliError> {
+    let all = kafka.partitions(&a.topic)?;
+    let selected = if a.partitions.is_empty() {
+        all.clone()
+    } else {
+        if let Some(p) = a.partitions.iter().find(|p| !all.contains(p)) {
+            return Err(CliError::BadArgs(format!(
+                "topic {} has no partition {p} (it has {})",
+                a.topic,
+                all.len()
+            )));
+        }
+        a.partitions.clone()
+    };
+    let by_time = match a.to_timestamp {
+        Some(t) => kafka.offsets_for_time(&a.topic, &selected, t.0)?,
+        None => HashMap::new(),
+    };
+    let committed = kafka.committed(group, &a.topic, &selected)?;
+    selected
+        .into_iter()
+        .map(|p| {
+            let (low, high) = kafka.watermarks(&a.topic, p)?;
+            let start = if let Some(o) = a.to_offset {
+                o.clamp(low, high)
+            } else if a.to_timestamp.is_some() {
+                by_time
+                    .get(&p)
+                    .copied()
+                    .flatten()
+                    .unwrap_or(high)
+                    .clamp(low, high)
+            } else {
+                low
+            };
+            Ok(Plan {
+                partition: p,
+                low,
+                high,
+                start,
+                database_position: None,
+                group_offset: committed.get(&p).copied().flatten(),
+            })
+        })
+        .collect()
+}
+
+/// Reads `[start, high)` of every partition and classifies each record against the inbox.
+async fn dry_run(
+    env: &Env,
+    pool: &txinbox::sqlx::PgPool,
+    kafka: &Kafka,
+    a: &ReplayArgs,
+    plans: &[Plan],
+) -> Result<std::collections::BTreeMap<String, u64>, CliError> {
+    let mut counts: std::collections::BTreeMap<String, u64> = [
+        Verdict::New,
+        Verdict::Applied,
+        Verdict::DeadLettered,
+        Verdict::Retrying,
+        Verdict::Conflicting,
+        Verdict::MissingId,
+    ]
+    .iter()
+    .map(|v| (v.as_str().to_owned(), 0))
+    .collect();
+    let total: i64 = plans.iter().map(|p| p.high - p.start).sum();
+    let bar = env.progress(total.max(0) as u64, "reading the range");
+    // First fingerprint of every ID seen earlier in the range: a later copy of a new ID is a
+    // duplicate (or conflict) of that copy, not new again.
+    let mut seen: HashMap<String, [u8; 32]> = HashMap::new();
+    for p in plans {
+        // Only the ID and fingerprint of each record are kept, not the records.
+        let mut derived_all: Vec<(Option<String>, [u8; 32])> = Vec::new();
+        tokio::task::block_in_place(|| {
+            kafka.read_range(&a.topic, p.partition, p.start, p.high, |r| {
+                bar.inc(1);
+                let m = message(&a.topic, p.partition, &r);
+                let id = a.id_strategy.derive(&m).ok().map(|id| id.as_str().to_owned());
+                derived_all.push((id, a.fingerprint.of(&m)));
+            })
+        })?;
+        for chunk in derived_all.chunks(1000) {
+            let derived = chunk.to_vec();
+            let ids: Vec<String> = derived.iter().filter_map(|(id, _)| id.clone()).collect();
+            let rows = replay::lookup(pool, &a.consumer, &ids)
+                .await
+                .map_err(db("looking up the range in the inbox"))?;
+            for (id, fp) in derived {
+                let verdict = match id {
+                    None => Verdict::MissingId,
+                    Some(id) => {
+                        let v = Verdict::of(rows.get(&id), &fp);
+                        match (v, seen.get(&id)) {
+                            (Verdict::New | Verdict::Retrying, Some(first)) if *first == fp => {
+                                Verdict::Applied
+                            }
+                            (Verdict::New | Verdict::Retrying, Some(_)) => Verdict::Conflicting,
+                            _ => {
+                                seen.entry(id).or_insert(fp);
+                                v
+                            }
+                        }
+                    }
+                };
+                *counts.entry(verdict.as_str().to_owned()).or_default() += 1;
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok(counts)
+}
+
+/// The record as the Kafka adapter hands it to the consumer (same origin and headers), so the
+/// ID strategy and fingerprint see exactly what the consumer sees.
+fn message(topic: &str, partition: i32, r: &Record) -> Message {
+    let mut headers = Headers::new();
+    for (k, v) in &r.headers {
+        headers.insert(k.clone(), v.clone());
+    }
+    let m = Message::new(
+        r.payload.clone(),
+        Origin::new("kafka", topic).at(partition, r.offset),
+    )
+    .with_headers(headers);
+    match &r.key {
+        Some(k) => m.with_key(k.clone()),
+        None => m,
+    }
+}

@@ -1,0 +1,75 @@
+//! Errors and the exit codes they map to.
+
+use std::fmt;
+
+/// Exit codes, as documented in `txinbox --help` and the README.
+pub mod exit {
+    /// Done.
+    pub const OK: i32 = 0;
+    /// The operation failed or was refused (the message says why and what to do).
+    pub const FAILED: i32 = 1;
+    /// Bad arguments (also clap's code for usage errors).
+    pub const BAD_ARGS: i32 = 2;
+    /// A service (PostgreSQL, Kafka) could not be reached.
+    pub const UNREACHABLE: i32 = 3;
+}
+
+/// Why a command did not succeed.
+#[derive(Debug)]
+pub enum CliError {
+    /// Refused or failed; exit 1.
+    Failed(String),
+    /// Bad arguments detected after parsing; exit 2.
+    BadArgs(String),
+    /// A service could not be reached; exit 3. `service` names it (never with a password).
+    Unreachable {
+        /// What was unreachable, e.g. `PostgreSQL at 127.0.0.1:5432/postgres`.
+        service: String,
+        /// The driver's message.
+        detail: String,
+    },
+}
+
+impl CliError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Failed(_) => exit::FAILED,
+            CliError::BadArgs(_) => exit::BAD_ARGS,
+            CliError::Unreachable { .. } => exit::UNREACHABLE,
+        }
+    }
+
+    /// A failure with this message.
+    pub fn failed(message: impl Into<String>) -> Self {
+        CliError::Failed(message.into())
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CliError::Failed(m) | CliError::BadArgs(m) => f.write_str(m),
+            CliError::Unreachable { service, detail } => {
+                write!(f, "cannot reach {service}: {detail}")
+            }
+        }
+    }
+}
+
+/// A database error during an operation (after connecting).
+pub fn db(context: &str) -> impl FnOnce(txinbox::sqlx::Error) -> CliError + '_ {
+    move |e| {
+        use txinbox::sqlx::Error;
+        match &e {
+            Error::Io(_) | Error::PoolTimedOut | Error::PoolClosed | Error::Tls(_) => CliError::Unreachable {
+                service: "PostgreSQL".into(),
+                detail: format!("{context}: {e}"),
+            },
+            Error::Database(d) if d.code().as_deref() == Some("42P01") => CliError::failed(format!(
+                "{context}: {e}. The txinbox tables are missing or older than this tool: run `txinbox migrate`"
+            )),
+            _ => CliError::failed(format!("{context}: {e}")),
+        }
+    }
+}

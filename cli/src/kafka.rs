@@ -1,0 +1,287 @@
+//! What the CLI asks a Kafka cluster: partitions, watermarks, group offsets and members,
+//! offsets for a time, reading a range, committing group offsets, producing requeued records.
+//!
+//! All calls are blocking librdkafka calls with a deadline; callers run them off the async
+//! runtime's worker (`block_in_place`).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+use crate::error::CliError;
+
+/// A producer for requeued records.
+pub type Producer = FutureProducer;
+
+/// How long one broker request may take.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection to the cluster at `brokers`, not a member of any group.
+pub struct Kafka {
+    brokers: String,
+    client: BaseConsumer,
+}
+
+/// One record read from a partition, copied out of librdkafka.
+pub struct Record {
+    pub offset: i64,
+    pub timestamp: Option<i64>,
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl Kafka {
+    /// Connects and checks that the cluster answers.
+    pub fn connect(brokers: &str) -> Result<Kafka, CliError> {
+        let client = config(brokers, &format!("txinbox-cli-{}", std::process::id()))
+            .create::<BaseConsumer>()
+            .map_err(|e| {
+                CliError::BadArgs(format!("Kafka client configuration for --brokers {brokers}: {e}"))
+            })?;
+        client
+            .fetch_metadata(None, Duration::from_secs(5))
+            .map_err(|e| unreachable(brokers, e))?;
+        Ok(Kafka {
+            brokers: brokers.into(),
+            client,
+        })
+    }
+
+    /// The partitions of `topic`, sorted.
+    pub fn partitions(&self, topic: &str) -> Result<Vec<i32>, CliError> {
+        let md = self
+            .client
+            .fetch_metadata(Some(topic), TIMEOUT)
+            .map_err(|e| unreachable(&self.brokers, e))?;
+        let t = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == topic)
+            .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+            .ok_or_else(|| CliError::failed(format!("topic {topic} does not exist on {}", self.brokers)))?;
+        let mut ps: Vec<i32> = t.partitions().iter().map(|p| p.id()).collect();
+        ps.sort_unstable();
+        Ok(ps)
+    }
+
+    /// (low, high) watermarks of one partition.
+    pub fn watermarks(&self, topic: &str, partition: i32) -> Result<(i64, i64), CliError> {
+        self.client
+            .fetch_watermarks(topic, partition, TIMEOUT)
+            .map_err(|e| CliError::failed(format!("watermarks of {topic}/{partition}: {e}")))
+    }
+
+    /// The committed offsets of `group` for `partitions` of `topic` (`None`: nothing committed).
+    pub fn committed(
+        &self,
+        group: &str,
+        topic: &str,
+        partitions: &[i32],
+    ) -> Result<HashMap<i32, Option<i64>>, CliError> {
+        let c = config(&self.brokers, group)
+            .create::<BaseConsumer>()
+            .map_err(|e| CliError::failed(format!("Kafka client for group {group}: {e}")))?;
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            tpl.add_partition(topic, *p);
+        }
+        let got = c
+            .committed_offsets(tpl, TIMEOUT)
+            .map_err(|e| CliError::failed(format!("committed offsets of group {group}: {e}")))?;
+        Ok(got
+            .elements_for_topic(topic)
+            .iter()
+            .map(|e| {
+                let o = match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                };
+                (e.partition(), o)
+            })
+            .collect())
+    }
+
+    /// The first offset of each partition whose record timestamp is at or after `ms`
+    /// (`None`: no such record yet, i.e. the end).
+    pub fn offsets_for_time(
+        &self,
+        topic: &str,
+        partitions: &[i32],
+        ms: i64,
+    ) -> Result<HashMap<i32, Option<i64>>, CliError> {
+        let mut tpl = TopicPartitionList::new();
+        for p in partitions {
+            tpl.add_partition_offset(topic, *p, Offset::Offset(ms))
+                .map_err(|e| CliError::failed(e.to_string()))?;
+        }
+        let got = self
+            .client
+            .offsets_for_times(tpl, TIMEOUT)
+            .map_err(|e| CliError::failed(format!("offsets for time {ms} in {topic}: {e}")))?;
+        Ok(got
+            .elements_for_topic(topic)
+            .iter()
+            .map(|e| {
+                let o = match e.offset() {
+                    Offset::Offset(o) if o >= 0 => Some(o),
+                    _ => None,
+                };
+                (e.partition(), o)
+            })
+            .collect())
+    }
+
+    /// The member IDs of `group` (empty when the group has no active member or does not exist).
+    pub fn group_members(&self, group: &str) -> Result<Vec<String>, CliError> {
+        let list = self
+            .client
+            .fetch_group_list(Some(group), TIMEOUT)
+            .map_err(|e| CliError::failed(format!("describing consumer group {group}: {e}")))?;
+        Ok(list
+            .groups()
+            .iter()
+            .filter(|g| g.name() == group)
+            .flat_map(|g| {
+                g.members()
+                    .iter()
+                    .map(|m| format!("{} ({})", m.id(), m.client_host()))
+            })
+            .collect())
+    }
+
+    /// Commits `offsets` (partition → next offset) for `group`, which must have no active
+    /// member.
+    pub fn commit(&self, group: &str, topic: &str, offsets: &[(i32, i64)]) -> Result<(), String> {
+        let c = config(&self.brokers, group)
+            .create::<BaseConsumer>()
+            .map_err(|e| e.to_string())?;
+        let mut tpl = TopicPartitionList::new();
+        for (p, o) in offsets {
+            tpl.add_partition_offset(topic, *p, Offset::Offset(*o))
+                .map_err(|e| e.to_string())?;
+        }
+        c.commit(&tpl, CommitMode::Sync).map_err(|e| e.to_string())
+    }
+
+    /// Reads the records of `topic`/`partition` with offsets in `[from, to)`, calling `each`
+    /// with every one. Stops early (returning the next offset not read) when nothing arrives
+    /// for 10 s, e.g. past a transaction marker at the end of the range.
+    pub fn read_range(
+        &self,
+        topic: &str,
+        partition: i32,
+        from: i64,
+        to: i64,
+        mut each: impl FnMut(Record),
+    ) -> Result<i64, CliError> {
+        if from >= to {
+            return Ok(from);
+        }
+        let reader = config(
+            &self.brokers,
+            &format!("txinbox-cli-reader-{}", std::process::id()),
+        )
+        .create::<BaseConsumer>()
+        .map_err(|e| CliError::failed(e.to_string()))?;
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, partition, Offset::Offset(from))
+            .map_err(|e| CliError::failed(e.to_string()))?;
+        reader
+            .assign(&tpl)
+            .map_err(|e| CliError::failed(format!("reading {topic}/{partition}: {e}")))?;
+        let mut next = from;
+        let mut last_progress = Instant::now();
+        while next < to && last_progress.elapsed() < TIMEOUT {
+            match reader.poll(Duration::from_millis(200)) {
+                Some(Ok(m)) => {
+                    last_progress = Instant::now();
+                    if m.offset() < next {
+                        continue;
+                    }
+                    if m.offset() >= to {
+                        next = to;
+                        break;
+                    }
+                    next = m.offset() + 1;
+                    each(Record {
+                        offset: m.offset(),
+                        timestamp: m.timestamp().to_millis(),
+                        key: m.key().map(<[u8]>::to_vec),
+                        payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                        headers: m
+                            .headers()
+                            .map(|hs| {
+                                hs.iter()
+                                    .map(|h| {
+                                        (h.key.to_owned(), h.value.map(<[u8]>::to_vec).unwrap_or_default())
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    });
+                }
+                Some(Err(e)) => return Err(CliError::failed(format!("reading {topic}/{partition}: {e}"))),
+                None => {}
+            }
+        }
+        Ok(next)
+    }
+
+    /// A producer that waits for every record to be fully acknowledged.
+    pub fn producer(&self) -> Result<FutureProducer, CliError> {
+        ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("message.timeout.ms", "30000")
+            .create()
+            .map_err(|e| CliError::failed(format!("Kafka producer: {e}")))
+    }
+}
+
+/// Produces one record to `topic`/`partition` and waits for its delivery report.
+pub async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    partition: Option<i32>,
+    payload: &[u8],
+    headers: &[(String, Vec<u8>)],
+) -> Result<(i32, i64), String> {
+    let mut h = OwnedHeaders::new_with_capacity(headers.len());
+    for (key, value) in headers {
+        h = h.insert(Header {
+            key: key.as_str(),
+            value: Some(value.as_slice()),
+        });
+    }
+    let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).payload(payload).headers(h);
+    if let Some(p) = partition {
+        record = record.partition(p);
+    }
+    producer
+        .send(record, TIMEOUT)
+        .await
+        .map(|d| (d.partition, d.offset))
+        .map_err(|(e, _)| e.to_string())
+}
+
+fn config(brokers: &str, group: &str) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("socket.timeout.ms", "10000");
+    c
+}
+
+fn unreachable(brokers: &str, e: rdkafka::error::KafkaError) -> CliError {
+    CliError::Unreachable {
+        service: format!("Kafka brokers at {brokers}"),
+        detail: format!("{e} (check --brokers / KAFKA_BROKERS and that the brokers run)"),
+    }
+}

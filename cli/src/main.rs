@@ -1,0 +1,418 @@
+//! `txinbox`: operate a txinbox deployment without writing SQL.
+//!
+//! Subcommands: `migrate`, `status`, `replay`, `purge`, `dead-letters list|show|requeue|discard`.
+//! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
+
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(not(feature = "amqp"))]
+#[path = "amqp_off.rs"]
+mod amqp;
+mod commands;
+mod error;
+#[cfg(feature = "kafka")]
+mod kafka;
+#[cfg(not(feature = "kafka"))]
+#[path = "kafka_off.rs"]
+mod kafka;
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txinbox::sqlx::{ConnectOptions as _, Connection as _};
+use txinbox::{Fingerprint, IdStrategy};
+
+use error::{exit, CliError};
+#[cfg(not(feature = "kafka"))]
+use kafka::Kafka;
+
+const AFTER_HELP: &str = "\
+Exit codes:
+  0  done
+  1  the operation failed or was refused (the message says why and what to do)
+  2  bad arguments
+  3  a service (PostgreSQL, Kafka) could not be reached
+
+Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
+-> start the consumers (they start from the database positions replay set).";
+
+/// Operate a txinbox deployment: inbox status, safe Kafka replay, retention, dead letters.
+#[derive(Debug, Parser)]
+#[command(name = "txinbox", version, after_help = AFTER_HELP)]
+struct Cli {
+    /// Print machine-readable JSON on stdout (errors too, as {"error": ..., "exit_code": ...}).
+    #[arg(long, global = true)]
+    json: bool,
+    /// PostgreSQL holding the inbox.
+    #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// Kafka bootstrap servers (host:port,...), for status, replay and Kafka requeues.
+    #[arg(long, global = true, env = "KAFKA_BROKERS")]
+    brokers: Option<String>,
+    /// RabbitMQ URL (amqp://user:pass@host:port/vhost), for requeueing RabbitMQ dead letters.
+    #[arg(long, global = true, env = "AMQP_URL", hide_env_values = true)]
+    amqp_url: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Apply txinbox's migrations (idempotent; ledger in txinbox._sqlx_migrations).
+    Migrate,
+    /// Per consumer: processed, duplicates, conflicts, dead letters, oldest retained row,
+    /// retention horizon; per partition: database position, group offset, high watermark, lag.
+    Status(StatusArgs),
+    /// Move a consumer's Kafka position (database and group) for one partition or all to an
+    /// offset or a time. Run it with the consumers stopped; it takes effect when they start.
+    Replay(ReplayArgs),
+    /// Delete terminal inbox rows older than a window, in small batches (never `retrying` rows).
+    Purge(PurgeArgs),
+    /// Inspect and resolve dead letters.
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLetterCommand),
+}
+
+#[derive(Debug, Args)]
+struct StatusArgs {
+    /// Only this consumer.
+    #[arg(long)]
+    consumer: Option<String>,
+    /// Kafka group of the consumer (default: the consumer name), for group offsets.
+    #[arg(long, requires = "consumer")]
+    group: Option<String>,
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("target").required(true).args(["to_offset", "to_timestamp", "to_earliest"])))]
+struct ReplayArgs {
+    /// The txinbox consumer name (whose inbox and positions are used).
+    #[arg(long)]
+    consumer: String,
+    /// The topic.
+    #[arg(long)]
+    topic: String,
+    /// Only these partitions (repeatable; default: all).
+    #[arg(long = "partition")]
+    partitions: Vec<i32>,
+    /// Start from this offset (clamped to the partition's low and high watermarks).
+    #[arg(long)]
+    to_offset: Option<i64>,
+    /// Start from the first record at or after this time (RFC 3339 or epoch milliseconds).
+    #[arg(long, value_parser = parse_timestamp)]
+    to_timestamp: Option<txinbox::ops::Timestamp>,
+    /// Start from the earliest record the broker holds.
+    #[arg(long)]
+    to_earliest: bool,
+    /// The consumer's Kafka group id (default: the consumer name).
+    #[arg(long)]
+    group: Option<String>,
+    /// The consumer's ID strategy: cloudevents, header:NAME, json:/POINTER, sha256, offset.
+    #[arg(long, default_value = "cloudevents", value_parser = parse_id_strategy)]
+    id_strategy: IdStrategy,
+    /// The consumer's fingerprint: bytes or canonical-json.
+    #[arg(long, default_value = "bytes", value_parser = parse_fingerprint)]
+    fingerprint: Fingerprint,
+    /// Report what the consumer would do with the records in the range; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Replay even before the retention horizon or while the group has active members.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Debug, Args)]
+struct PurgeArgs {
+    /// Only this consumer (default: every consumer with inbox rows).
+    #[arg(long)]
+    consumer: Option<String>,
+    /// Keep rows younger than this (e.g. 7d, 36h, 90m, 0s). Choose at least the broker's
+    /// retention plus the longest redelivery horizon: an ID purged earlier no longer dedups.
+    #[arg(long, default_value = "7d", value_parser = parse_duration)]
+    older_than: Duration,
+    /// Rows deleted per statement.
+    #[arg(long, default_value_t = txinbox::ops::retention::DEFAULT_BATCH, value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    batch_size: i64,
+    /// Count what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, newest first.
+    List(ListArgs),
+    /// Show one dead letter in full (payload as text, or hex when not UTF-8).
+    Show {
+        /// Dead letter id.
+        id: i64,
+    },
+    /// Send the original message back through the consumer with its original ID (Kafka: to the
+    /// original topic and partition). Its inbox row is reopened only if it is dead-lettered.
+    Requeue {
+        /// Dead letter ids.
+        #[arg(required = true)]
+        ids: Vec<i64>,
+        /// Requeue even a discarded dead letter.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Mark dead letters as discarded with a reason (the rows are kept).
+    Discard {
+        /// Dead letter ids.
+        #[arg(required = true)]
+        ids: Vec<i64>,
+        /// Why (kept with the dead letter).
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ListArgs {
+    /// Only this consumer.
+    #[arg(long)]
+    consumer: Option<String>,
+    /// Only this reason (permanent_error, conflict, undecodable, missing_id, ...).
+    #[arg(long)]
+    reason: Option<String>,
+    /// Only recorded at or after this time (RFC 3339 or epoch milliseconds).
+    #[arg(long, value_parser = parse_timestamp)]
+    since: Option<txinbox::ops::Timestamp>,
+    /// Only in this state.
+    #[arg(long, value_parser = ["pending", "requeued", "discarded"])]
+    state: Option<String>,
+    /// At most this many.
+    #[arg(long, default_value_t = 50)]
+    limit: i64,
+}
+
+/// What a command prints: JSON for `--json`, text otherwise.
+pub(crate) struct Report {
+    json: serde_json::Value,
+    text: String,
+    /// Exit code when the command ran but something in it failed (e.g. one of several requeues).
+    code: i32,
+}
+
+impl Report {
+    fn ok(json: serde_json::Value, text: String) -> Report {
+        Report {
+            json,
+            text,
+            code: exit::OK,
+        }
+    }
+}
+
+/// What commands get: output mode, and lazily the services.
+pub(crate) struct Env {
+    json: bool,
+    database_url: Option<String>,
+    brokers: Option<String>,
+    amqp_url: Option<String>,
+}
+
+impl Env {
+    /// Connects to PostgreSQL (and checks that the txinbox tables exist unless `migrating`).
+    async fn db(&self, migrating: bool) -> Result<PgPool, CliError> {
+        let url = self.database_url.as_deref().ok_or_else(|| {
+            CliError::BadArgs("no database: pass --database-url or set DATABASE_URL".into())
+        })?;
+        let options: PgConnectOptions = url.parse().map_err(|_| {
+            CliError::BadArgs(
+                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database"
+                    .into(),
+            )
+        })?;
+        let service = format!(
+            "PostgreSQL at {}:{}/{}",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or("")
+        );
+        // One direct connection first: its error names the cause (refused, unknown host, bad
+        // password), where a pool would only report a timeout.
+        let probe = tokio::time::timeout(Duration::from_secs(5), options.connect()).await;
+        match probe {
+            Ok(Ok(conn)) => drop(conn.close().await),
+            Ok(Err(e)) => {
+                return Err(CliError::Unreachable {
+                    service,
+                    detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
+                })
+            }
+            Err(_) => {
+                return Err(CliError::Unreachable {
+                    service,
+                    detail:
+                        "no answer within 5 s (check --database-url / DATABASE_URL and that the server runs)"
+                            .into(),
+                })
+            }
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(txinbox::PostgresInbox::connect_options(options))
+            .await
+            .map_err(|e| CliError::Unreachable {
+                service,
+                detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
+            })?;
+        if !migrating {
+            let ready: bool =
+                txinbox::sqlx::query_scalar("SELECT to_regclass('txinbox.retention') IS NOT NULL")
+                    .fetch_one(&pool)
+                    .await
+                    .map_err(error::db("checking the txinbox schema"))?;
+            if !ready {
+                return Err(CliError::failed(
+                    "the txinbox tables are missing or older than this tool: run `txinbox migrate` first",
+                ));
+            }
+        }
+        Ok(pool)
+    }
+
+    /// Connects to Kafka; `why` says what needs it, for the error when no brokers are given.
+    fn kafka(&self, why: &str) -> Result<kafka::Kafka, CliError> {
+        let brokers = self.brokers.as_deref().ok_or_else(|| {
+            CliError::BadArgs(format!("{why} needs Kafka: pass --brokers or set KAFKA_BROKERS"))
+        })?;
+        tokio::task::block_in_place(|| kafka::Kafka::connect(brokers))
+    }
+
+    /// Connects to RabbitMQ; `why` says what needs it.
+    async fn amqp(&self, why: &str) -> Result<amqp::Amqp, CliError> {
+        let url = self.amqp_url.as_deref().ok_or_else(|| {
+            CliError::BadArgs(format!("{why} needs RabbitMQ: pass --amqp-url or set AMQP_URL"))
+        })?;
+        amqp::Amqp::connect(url).await
+    }
+
+    /// A progress bar on stderr, hidden with `--json` or when stderr is not a terminal.
+    fn progress(&self, total: u64, what: &str) -> ProgressBar {
+        let bar = ProgressBar::new(total);
+        if self.json || !std::io::stderr().is_terminal() {
+            bar.set_draw_target(ProgressDrawTarget::hidden());
+        }
+        bar.set_style(
+            ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({per_sec}, eta {eta})")
+                .expect("static template")
+                .progress_chars("=> "),
+        );
+        bar.set_message(what.to_owned());
+        bar
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let env = Env {
+        json: cli.json,
+        database_url: cli.database_url,
+        brokers: cli.brokers,
+        amqp_url: cli.amqp_url,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = runtime.block_on(run(&env, cli.command));
+    let code = match result {
+        Ok(report) => {
+            if env.json {
+                println!("{}", serde_json::to_string_pretty(&report.json).expect("JSON"));
+            } else {
+                print!("{}", report.text);
+            }
+            report.code
+        }
+        Err(e) => {
+            let code = e.exit_code();
+            if env.json {
+                println!(
+                    "{}",
+                    serde_json::json!({ "error": e.to_string(), "exit_code": code })
+                );
+            }
+            eprintln!("error: {e}");
+            code
+        }
+    };
+    drop(runtime);
+    std::process::exit(code);
+}
+
+async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
+    match command {
+        Command::Migrate => {
+            let pool = env.db(true).await?;
+            txinbox::migrate(&pool)
+                .await
+                .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
+            Ok(Report::ok(
+                serde_json::json!({ "migrated": true }),
+                "txinbox migrations applied\n".into(),
+            ))
+        }
+        Command::Status(a) => commands::status::run(env, a.consumer.as_deref(), a.group.as_deref()).await,
+        #[cfg(feature = "kafka")]
+        Command::Replay(a) => commands::replay::run(env, a).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Replay(_) => Kafka::connect("").map(|k| match k {}),
+        Command::Purge(a) => commands::purge::run(env, a).await,
+        Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
+    }
+}
+
+fn parse_timestamp(s: &str) -> Result<txinbox::ops::Timestamp, String> {
+    s.parse()
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("`{s}` is not a duration: use a number with s, m, h, d or w, e.g. 7d or 36h");
+    let unit = s.chars().last().ok_or_else(bad)?;
+    let n: u64 = s[..s.len() - unit.len_utf8()].parse().map_err(|_| bad())?;
+    let secs = match unit {
+        's' => 1,
+        'm' => 60,
+        'h' => 3600,
+        'd' => 86_400,
+        'w' => 604_800,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(secs).map(Duration::from_secs).ok_or_else(bad)
+}
+
+fn parse_id_strategy(s: &str) -> Result<IdStrategy, String> {
+    Ok(match s {
+        "cloudevents" => IdStrategy::CloudEvents,
+        "sha256" => IdStrategy::PayloadHash,
+        "offset" => IdStrategy::Offset,
+        _ => {
+            if let Some(name) = s.strip_prefix("header:").filter(|n| !n.is_empty()) {
+                IdStrategy::Header(name.into())
+            } else if let Some(ptr) = s.strip_prefix("json:").filter(|p| p.starts_with('/')) {
+                IdStrategy::JsonPointer(ptr.into())
+            } else {
+                return Err(format!(
+                    "`{s}` is not an ID strategy: use cloudevents, header:NAME, json:/POINTER, sha256 or offset (as the consumer is configured)"
+                ));
+            }
+        }
+    })
+}
+
+fn parse_fingerprint(s: &str) -> Result<Fingerprint, String> {
+    match s {
+        "bytes" => Ok(Fingerprint::PayloadBytes),
+        "canonical-json" => Ok(Fingerprint::CanonicalJson),
+        _ => Err(format!("`{s}` is not a fingerprint: use bytes or canonical-json")),
+    }
+}

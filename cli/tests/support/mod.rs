@@ -1,0 +1,458 @@
+//! Test support: a fresh database per test, a unique topic per test, a non-idempotent deposit
+//! handler run by a real txinbox consumer on the Kafka adapter, and a runner for the built
+//! `txinbox` binary.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txinbox::sqlx::{self, ConnectOptions, Executor, Postgres};
+use txinbox::{async_trait, Context, Handler, HandlerError, Message};
+use txinbox_kafka::{KafkaConfig, KafkaSource};
+
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// The Kafka brokers, or `None` (test skipped) outside CI. Under CI a missing broker fails.
+pub fn brokers() -> Option<String> {
+    match std::env::var("KAFKA_BROKERS") {
+        Ok(b) => Some(b),
+        Err(_) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "KAFKA_BROKERS must be set in CI (scripts/test sets it)"
+            );
+            eprintln!("SKIPPED: KAFKA_BROKERS is not set (source scripts/lib/tansu.sh and run ensure_tansu)");
+            None
+        }
+    }
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+
+fn unique(prefix: &str) -> String {
+    let stamp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
+    format!(
+        "{prefix}_{}_{}_{stamp}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A database created for one test, migrated, with the demo tables.
+pub struct TestDb {
+    pub pool: PgPool,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        Self::create(true).await
+    }
+
+    /// A new database; `setup`: migrate txinbox and create the demo tables.
+    pub async fn create(setup: bool) -> TestDb {
+        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
+        let name = unique("txinbox_cli_t");
+        let mut conn = admin
+            .connect()
+            .await
+            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
+        CLEANED
+            .get_or_init(|| async {
+                // Databases left by earlier runs that nobody is connected to (a concurrent run
+                // of these tests keeps its own connected).
+                let stale: Vec<String> = sqlx::query_scalar(
+                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_cli\\_t\\_%'
+                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+                )
+                .fetch_all(&mut admin.connect().await.unwrap())
+                .await
+                .unwrap();
+                let mut c = admin.connect().await.unwrap();
+                for db in stale {
+                    let _ = c
+                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                        .await;
+                }
+            })
+            .await;
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        let pool = PgPoolOptions::new()
+            .max_connections(12)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(txinbox::PostgresInbox::connect_options(
+                admin.clone().database(&name),
+            ))
+            .await
+            .expect("connect to the test database");
+        let base = admin_url();
+        let scheme_end = base.find("://").map_or(0, |i| i + 3);
+        let url = match base[scheme_end..].find('/') {
+            Some(i) => format!("{}/{name}", &base[..scheme_end + i]),
+            None => format!("{base}/{name}"),
+        };
+        if !setup {
+            return TestDb { pool, url };
+        }
+        txinbox::migrate(&pool).await.expect("migrate");
+        pool.execute(
+            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
+             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
+             CREATE TABLE blocked (account text PRIMARY KEY);",
+        )
+        .await
+        .unwrap();
+        TestDb { pool, url }
+    }
+
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn exec(&self, sql: &str) {
+        self.pool
+            .execute(sqlx::AssertSqlSafe(sql.to_owned()))
+            .await
+            .unwrap();
+    }
+
+    /// Applications per message ID.
+    pub async fn applications(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>("SELECT message_id, count(*) FROM effects GROUP BY message_id")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect()
+    }
+
+    /// Asserts no message was applied twice; returns how many distinct ones were applied.
+    pub async fn assert_none_twice(&self) -> usize {
+        let apps = self.applications().await;
+        let twice: Vec<_> = apps.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "applied more than once: {twice:?}");
+        apps.len()
+    }
+
+    /// Waits until `sql` (a scalar) reaches at least `n`.
+    pub async fn wait_for(&self, sql: &str, n: i64, within: Duration) {
+        let started = Instant::now();
+        loop {
+            let v = self.scalar(sql).await;
+            if v >= n {
+                return;
+            }
+            assert!(
+                started.elapsed() < within,
+                "`{sql}` is {v}, expected {n} within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn position(&self, consumer: &str, topic: &str, partition: i32) -> Option<i64> {
+        sqlx::query_scalar(
+            "SELECT next_position FROM txinbox.positions WHERE consumer = $1 AND source = $2 AND lane = $3",
+        )
+        .bind(consumer)
+        .bind(topic)
+        .bind(partition.to_string())
+        .fetch_optional(&self.pool)
+        .await
+        .unwrap()
+    }
+}
+
+/// Creates a unique topic with `partitions` and its `.dlq` topic; returns its name.
+pub async fn create_topic(brokers: &str, partitions: i32) -> String {
+    let topic = unique("cli").replace('_', "-");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let created = admin
+        .create_topics(
+            &[
+                NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)),
+                NewTopic::new(&format!("{topic}.dlq"), 1, TopicReplication::Fixed(1)),
+            ],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .expect("create topics");
+    for r in created {
+        r.expect("topic created");
+    }
+    topic
+}
+
+pub fn deposit(account: &str, amount: i64) -> String {
+    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
+}
+
+/// A plain rdkafka producer, outside the framework.
+pub struct Producer(FutureProducer);
+
+impl Producer {
+    pub fn new(brokers: &str) -> Producer {
+        Producer(
+            ClientConfig::new()
+                .set("bootstrap.servers", brokers)
+                .set("message.timeout.ms", "30000")
+                .create()
+                .expect("producer"),
+        )
+    }
+
+    /// Sends one deposit with CloudEvents ID `id` to `partition` and waits for its report.
+    pub async fn send(&self, topic: &str, partition: i32, id: &str, payload: &str) {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "ce_id",
+            value: Some(id),
+        });
+        self.0
+            .send(
+                FutureRecord::to(topic)
+                    .key(id)
+                    .payload(payload)
+                    .partition(partition)
+                    .headers(headers),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+    }
+
+    /// Sends deposits `prefix-0..n` (amount i+1, account `acct-{i%5}`) to `partition`.
+    pub async fn deposits(&self, topic: &str, partition: i32, prefix: &str, n: usize) {
+        for i in 0..n {
+            self.send(
+                topic,
+                partition,
+                &format!("{prefix}-{i}"),
+                &deposit(&format!("acct-{}", i % 5), i as i64 + 1),
+            )
+            .await;
+        }
+    }
+}
+
+/// Balance plus one `effects` row per application; fails permanently for accounts listed in
+/// `blocked` (the "cause" an operator fixes before requeueing).
+#[derive(Clone)]
+pub struct DepositHandler;
+
+#[derive(serde::Deserialize)]
+struct Deposit {
+    account: String,
+    amount: i64,
+}
+
+#[async_trait]
+impl Handler<Postgres> for DepositHandler {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        let d: Deposit = msg.json()?;
+        let blocked: Option<i32> = sqlx::query_scalar("SELECT 1 FROM blocked WHERE account = $1")
+            .bind(&d.account)
+            .fetch_optional(cx.db())
+            .await?;
+        if blocked.is_some() {
+            return Err(HandlerError::permanent(format!(
+                "account {} is blocked",
+                d.account
+            )));
+        }
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(&d.account)
+        .bind(d.amount)
+        .execute(cx.db())
+        .await?;
+        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
+            .bind(cx.message_id().as_str())
+            .bind(d.amount)
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+}
+
+/// A running txinbox consumer (Kafka adapter, PostgreSQL inbox).
+pub struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), txinbox::Error>>,
+}
+
+impl Running {
+    pub fn start(db: &TestDb, brokers: &str, consumer: &str, topic: &str) -> Running {
+        let config = KafkaConfig::new(brokers, consumer, consumer)
+            .topic(topic)
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "500")
+            .set("auto.commit.interval.ms", "200")
+            .set("auto.offset.reset", "earliest")
+            .revoke_timeout(Duration::from_secs(5))
+            .close_timeout(Duration::from_secs(15));
+        let inbox = txinbox::PostgresInbox::new(db.pool.clone());
+        let source = KafkaSource::new(config, inbox.clone()).expect("kafka source");
+        let consumer = txinbox::Consumer::builder(consumer)
+            .source(source)
+            .inbox(inbox)
+            .handler(DepositHandler)
+            .concurrency(4)
+            .build()
+            .expect("consumer");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_until(async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// A consumer of RabbitMQ queue `queue` (the adapter declares it, `.retry` and `.dlq`).
+    pub async fn start_amqp(db: &TestDb, url: &str, consumer: &str, queue: &str) -> Running {
+        let config = txinbox_amqp::AmqpConfig::new(url, queue).publish_timeout(Duration::from_secs(5));
+        let source = txinbox_amqp::AmqpSource::connect(config)
+            .await
+            .expect("AmqpSource connects (is RabbitMQ running? scripts/test starts it)");
+        let consumer = txinbox::Consumer::builder(consumer)
+            .source(source)
+            .inbox(txinbox::PostgresInbox::new(db.pool.clone()))
+            .handler(DepositHandler)
+            .build()
+            .expect("consumer");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_until(async {
+            let _ = stopped.await;
+        }));
+        Running {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
+            .await
+            .expect("consumer stops within 30 s")
+            .expect("consumer task")
+            .expect("consumer ran without a fatal error");
+    }
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// Publishes `payload` to `queue` (default exchange) with AMQP `message_id` = `id`, confirmed.
+pub async fn amqp_publish(url: &str, queue: &str, id: &str, payload: &str) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .expect("connect to AMQP_URL");
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            payload.as_bytes(),
+            lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(id.into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack(), "published");
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// Deletes `queue` and its `.retry` and `.dlq` queues.
+pub async fn amqp_delete(url: &str, queue: &str) {
+    use lapin::options::QueueDeleteOptions;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .expect("connect to AMQP_URL");
+    let channel = conn.create_channel().await.unwrap();
+    for q in [queue.to_owned(), format!("{queue}.retry"), format!("{queue}.dlq")] {
+        let _ = channel
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// The result of one run of the `txinbox` binary.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// stdout parsed as JSON (for `--json` runs).
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
+            panic!(
+                "stdout is not JSON ({e}): {}\nstderr: {}",
+                self.stdout, self.stderr
+            )
+        })
+    }
+
+    /// Asserts exit code 0 and returns the JSON output.
+    pub fn ok(&self) -> serde_json::Value {
+        assert_eq!(self.code, 0, "txinbox failed: {self:?}");
+        self.json()
+    }
+}
+
+/// Runs the built `txinbox` binary with `args`, `DATABASE_URL` = `db_url` and `KAFKA_BROKERS` =
+/// `brokers` (unset when `None`).
+pub async fn txinbox(db_url: &str, brokers: Option<&str>, args: &[&str]) -> Run {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"));
+    cmd.args(args)
+        .env("DATABASE_URL", db_url)
+        .env_remove("KAFKA_BROKERS");
+    if let Some(b) = brokers {
+        cmd.env("KAFKA_BROKERS", b);
+    }
+    let out = tokio::time::timeout(Duration::from_secs(120), cmd.output())
+        .await
+        .expect("txinbox finishes within 120 s")
+        .expect("run txinbox");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}

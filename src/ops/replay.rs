@@ -1,0 +1,120 @@
+//! Replay support: what the inbox says about a range of messages, and moving the stored
+//! positions a restarting consumer starts from.
+//!
+//! Replay never re-applies an applied message because the consumer's inbox deduplicates every
+//! replayed delivery; this module only predicts (for a dry run) what the consumer will do, with
+//! the consumer's own [`IdStrategy`](crate::IdStrategy) and [`Fingerprint`](crate::Fingerprint).
+
+use std::collections::HashMap;
+
+use sqlx::PgPool;
+
+use crate::store::InboxStatus;
+
+/// What the consumer will do with one replayed message, judged from the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// No inbox row: the handler runs.
+    New,
+    /// Processed with the same fingerprint: skipped as a duplicate.
+    Applied,
+    /// Dead-lettered with the same fingerprint: dead-lettered again, the handler does not run.
+    DeadLettered,
+    /// A failed attempt is recorded: the handler runs again (as a retry).
+    Retrying,
+    /// The ID is taken by a different payload: dead-lettered as a conflict.
+    Conflicting,
+    /// No ID under the strategy: dead-lettered as `missing_id`.
+    MissingId,
+}
+
+impl Verdict {
+    /// Stable lower-case name, for reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::New => "new",
+            Verdict::Applied => "applied",
+            Verdict::DeadLettered => "dead_lettered",
+            Verdict::Retrying => "retrying",
+            Verdict::Conflicting => "conflicting",
+            Verdict::MissingId => "missing_id",
+        }
+    }
+
+    /// The verdict for a message with `fingerprint` whose inbox row is `row`.
+    pub fn of(row: Option<&InboxRow>, fingerprint: &[u8; 32]) -> Verdict {
+        match row {
+            None => Verdict::New,
+            Some(r) if r.fingerprint != fingerprint[..] => Verdict::Conflicting,
+            Some(r) => match r.status {
+                InboxStatus::Processed => Verdict::Applied,
+                InboxStatus::DeadLettered => Verdict::DeadLettered,
+                InboxStatus::Retrying => Verdict::Retrying,
+            },
+        }
+    }
+}
+
+/// An inbox row's status and fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxRow {
+    /// Status.
+    pub status: InboxStatus,
+    /// SHA-256 fingerprint of the payload that claimed the ID.
+    pub fingerprint: Vec<u8>,
+}
+
+/// The inbox rows of `consumer` for `ids`, by ID (IDs without a row are absent).
+pub async fn lookup(
+    pool: &PgPool,
+    consumer: &str,
+    ids: &[String],
+) -> Result<HashMap<String, InboxRow>, sqlx::Error> {
+    let rows: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
+        "SELECT message_id, status, fingerprint FROM txinbox.inbox
+         WHERE consumer = $1 AND message_id = ANY($2)",
+    )
+    .bind(consumer)
+    .bind(ids)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(id, status, fingerprint)| {
+            Some((
+                id,
+                InboxRow {
+                    status: InboxStatus::parse(&status)?,
+                    fingerprint,
+                },
+            ))
+        })
+        .collect())
+}
+
+/// Sets `consumer`'s next positions in `source` (lane → next position) in one transaction.
+/// A consumer reads them when it is (re)assigned the lane; a running consumer overwrites them
+/// with its own progress, so move positions only while the consumer is stopped.
+pub async fn set_positions(
+    pool: &PgPool,
+    consumer: &str,
+    source: &str,
+    positions: &[(String, i64)],
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    for (lane, next) in positions {
+        sqlx::query(
+            "INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (consumer, source, lane) DO UPDATE
+                 SET next_position = EXCLUDED.next_position, updated_at = now()",
+        )
+        .bind(consumer)
+        .bind(source)
+        .bind(lane)
+        .bind(next)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
+}
