@@ -455,7 +455,8 @@ async fn run_source(
     } = chaos;
     report.runs = launcher.started();
     report.elapsed = started.elapsed();
-    if report.failures.is_empty() && !args.keep {
+    // A sabotaged run is meant to fail: nothing in it is worth keeping.
+    if (report.failures.is_empty() || args.sabotage) && !args.keep {
         if let Err(e) = side.delete().await {
             println!("   (could not delete the {}: {e})", side.name());
         }
@@ -528,11 +529,16 @@ impl Chaos {
         self.launcher.start(label, crash_at, &name)
     }
 
+    /// Prints one line about the run just finished.
     fn line(&self, what: &str, outcome: &str, since: Instant) {
+        self.line_of(self.launcher.started(), what, outcome, since);
+    }
+
+    /// Prints one line about run number `run`.
+    fn line_of(&self, run: u32, what: &str, outcome: &str, since: Instant) {
         println!(
-            "   {:<5} run {:>2} {:<26} → {outcome} [{:.1} s, at {:.0} s]",
+            "   {:<5} run {run:>2} {:<26} → {outcome} [{:.1} s, at {:.0} s]",
             self.source,
-            self.launcher.started(),
             what,
             since.elapsed().as_secs_f64(),
             self.started.elapsed().as_secs_f64()
@@ -593,7 +599,7 @@ impl Chaos {
     async fn point_run(&mut self, point: &'static str, nth: u32) -> anyhow::Result<PointResult> {
         let since = Instant::now();
         let before = self.db.finished().await;
-        let what = format!("crash at {point}:{nth}");
+        let mut what = format!("crash at {point}:{nth}");
         let mut ledger = self.start(&format!("crash-{point}"), Some(&format!("{point}:{nth}")))?;
         let mut idle_since: Option<Instant> = None;
         let result = loop {
@@ -609,8 +615,11 @@ impl Chaos {
             let idle = idle_since.is_some_and(|t| t.elapsed() > Duration::from_secs(3));
             if enough || idle || ledger.age() > POINT_CAP {
                 break match ledger.terminate(GRACE).await? {
-                    // Reached while shutting down (a Kafka revoke, say): still a hit.
-                    Some(status) if !status.success() => self.ended(&ledger, status, nth, applied, point),
+                    // Reached while draining after SIGTERM: still a hit.
+                    Some(status) if !status.success() => {
+                        what.push_str(" +SIGTERM");
+                        self.ended(&ledger, status, nth, applied, point)
+                    }
                     Some(_) => PointResult::NotReached { applied },
                     None => PointResult::Failed(format!(
                         "did not stop within {GRACE:?} of SIGTERM; log {}",
@@ -652,6 +661,7 @@ impl Chaos {
         let point = crash::REBALANCE;
         let before = self.db.finished().await;
         let mut victim = self.start("crash-rebalance", Some(&format!("{point}:{nth}")))?;
+        let victim_run = self.launcher.started();
         // Let it take the partitions and consume a little first.
         let consuming = Instant::now();
         loop {
@@ -686,14 +696,14 @@ impl Chaos {
                 ));
             }
             if joined.elapsed() > REBALANCE_CAP {
-                break match victim.terminate(GRACE).await? {
-                    Some(status) if !status.success() => self.ended(&victim, status, nth, applied, point),
-                    _ => PointResult::NotReached { applied },
-                };
+                // Not during the join: stopping revokes too, but that is not the point here.
+                victim.terminate(GRACE).await?;
+                break PointResult::NotReached { applied };
             }
         };
-        self.line(
-            &format!("crash at {point}:{nth} (join)"),
+        self.line_of(
+            victim_run,
+            &format!("crash at {point}:{nth} (2nd member)"),
             &result.to_string(),
             since,
         );
