@@ -27,9 +27,10 @@
 //!     --database-url postgres://postgres@127.0.0.1:5432/postgres
 //! ```
 //!
-//! Then look at `SELECT * FROM accounts` and `SELECT count(*) FROM ledger_entries`. Build it
-//! with `--features crash-points` to let `TXINBOX_CRASH_AT=<point>[:<n>]` abort it at a named
-//! point (see `txinbox::crash`); `cargo run --example chaos` does that for you.
+//! Then look at `SELECT * FROM accounts` and `SELECT count(*) FROM ledger_entries`. Built with
+//! `cargo build -p txinbox-demos --features crash-points --example ledger`, it aborts at a named
+//! point when `TXINBOX_CRASH_AT=<point>[:<n>]` says so (see `txinbox::crash`); the crash matrix
+//! (`scripts/chaos`, `examples/demos/chaos/`) does that for you.
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};

@@ -463,6 +463,7 @@ async fn run_source(
         if let Err(e) = db.drop_database().await {
             println!("   (could not drop the database: {e})");
         }
+        let _ = std::fs::remove_dir_all(launcher.logs());
     }
     Ok(report)
 }

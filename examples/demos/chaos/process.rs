@@ -36,6 +36,11 @@ impl Launcher {
         self.args.push(format!("--database-url={url}"));
     }
 
+    /// Where the children's logs are.
+    pub fn logs(&self) -> &Path {
+        &self.logs
+    }
+
     /// How many children were started.
     pub fn started(&self) -> u32 {
         self.started
