@@ -61,10 +61,11 @@ struct Args {
     /// the environment variable), e.g. `session.timeout.ms=6000`.
     #[arg(long = "kafka-property", env = "LEDGER_KAFKA_PROPERTIES", value_delimiter = ',', value_parser = key_value)]
     kafka_properties: Vec<(String, String)>,
-    /// AMQP: the broker URI (`amqps://` for TLS).
+    /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
     #[arg(
         long,
         env = "AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
@@ -72,10 +73,12 @@ struct Args {
     /// `<queue>.dlq`).
     #[arg(long, env = "AMQP_QUEUE", default_value = "payments")]
     queue: String,
-    /// PostgreSQL: where the balances, the ledger entries and the inbox live.
+    /// PostgreSQL: where the balances, the ledger entries and the inbox live. Its value is never
+    /// printed.
     #[arg(
         long,
         env = "DATABASE_URL",
+        hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     database_url: String,

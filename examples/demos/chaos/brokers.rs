@@ -231,7 +231,6 @@ fn stable_hash(s: &str) -> u64 {
 
 /// A RabbitMQ queue (with `.retry` and `.dlq`) made for one chaos run.
 pub struct Amqp {
-    url: String,
     queue: String,
     connection: Connection,
     channel: Channel,
@@ -266,7 +265,6 @@ impl Amqp {
                 .with_context(|| format!("declaring {name}"))?;
         }
         Ok(Amqp {
-            url: url.to_owned(),
             queue,
             connection,
             channel,
@@ -278,13 +276,9 @@ impl Amqp {
         &self.queue
     }
 
-    /// The ledger's broker flags.
+    /// The ledger's broker flags (the URL goes in `AMQP_URL`).
     pub fn ledger_args(&self) -> Vec<String> {
-        vec![
-            "--source=amqp".into(),
-            format!("--amqp-url={}", self.url),
-            format!("--queue={}", self.queue),
-        ]
+        vec!["--source=amqp".into(), format!("--queue={}", self.queue)]
     }
 
     /// Publishes persistent messages with their ID as `message_id` and waits for every

@@ -110,6 +110,7 @@ struct Args {
     #[arg(
         long,
         env = "AMQP_URL",
+        hide_env_values = true,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
@@ -117,6 +118,7 @@ struct Args {
     #[arg(
         long,
         env = "DATABASE_URL",
+        hide_env_values = true,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     database_url: String,
@@ -421,7 +423,8 @@ async fn run_source(
     let resources = format!("database {}, {}, logs {}", db.name, side.name(), logs.display());
     println!("   {resources}");
     let mut launcher = Launcher::new(ledger.to_path_buf(), side.ledger_args(), logs)?;
-    launcher.database_url(&db.url);
+    launcher.env("DATABASE_URL", &db.url);
+    launcher.env("AMQP_URL", &args.amqp_url);
     let plan = events::plan(
         &tag,
         args.events,

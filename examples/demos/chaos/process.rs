@@ -15,6 +15,7 @@ use nix::unistd::Pid;
 pub struct Launcher {
     binary: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     logs: PathBuf,
     started: u32,
 }
@@ -26,14 +27,16 @@ impl Launcher {
         Ok(Launcher {
             binary,
             args,
+            env: Vec::new(),
             logs,
             started: 0,
         })
     }
 
-    /// Adds `--database-url=<url>` to the ledger's arguments.
-    pub fn database_url(&mut self, url: &str) {
-        self.args.push(format!("--database-url={url}"));
+    /// Sets an environment variable for every ledger: URLs with passwords go there rather
+    /// than on command lines, where `ps` shows them.
+    pub fn env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_owned(), value.to_owned()));
     }
 
     /// Where the children's logs are.
@@ -60,6 +63,7 @@ impl Launcher {
         let mut command = tokio::process::Command::new(&self.binary);
         command
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .arg(format!("--consumer-name={consumer_name}"))
             .env(
                 "RUST_LOG",
