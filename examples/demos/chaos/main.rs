@@ -83,8 +83,8 @@ struct Args {
     #[arg(long, value_enum, default_value = "all", env = "CHAOS_SOURCE")]
     source: Which,
     /// Unique payment events to publish per broker.
-    #[arg(long, default_value_t = 2000, env = "CHAOS_EVENTS")]
-    events: usize,
+    #[arg(long, default_value_t = 2000, env = "CHAOS_EVENTS", value_parser = clap::value_parser!(u32).range(10..))]
+    events: u32,
     /// Percentage of the events published twice.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(0..=100))]
     duplicate_percent: u32,
@@ -427,7 +427,7 @@ async fn run_source(
     launcher.env("AMQP_URL", &args.amqp_url);
     let plan = events::plan(
         &tag,
-        args.events,
+        args.events as usize,
         args.duplicate_percent,
         args.malformed,
         &mut rng,
