@@ -65,6 +65,9 @@ const GRACE: Duration = Duration::from_secs(30);
 /// A crash point counts as not reached once this many more messages than its `n` were applied
 /// without an abort.
 const NOT_REACHED_MARGIN: u64 = 100;
+/// A crash-point run that finishes no event for this long (a restart after a kill included)
+/// has nothing left to do: the point counts as not reached.
+const STALL: Duration = Duration::from_secs(20);
 /// Longest wait for one crash-point run.
 const POINT_CAP: Duration = Duration::from_secs(60);
 /// How long a rebalance takes at most once the second member started (a few session
@@ -606,9 +609,13 @@ impl Chaos {
         let mut what = format!("crash at {point}:{nth}");
         let mut ledger = self.start(&format!("crash-{point}"), Some(&format!("{point}:{nth}")))?;
         let mut idle_since: Option<Instant> = None;
+        let mut progress = (0, Instant::now());
         let result = loop {
             tokio::time::sleep(POLL).await;
             let applied = self.db.finished().await.saturating_sub(before);
+            if applied > progress.0 {
+                progress = (applied, Instant::now());
+            }
             if let Some(status) = ledger.exited()? {
                 break self.ended(&ledger, status, nth, applied, point);
             }
@@ -617,7 +624,8 @@ impl Chaos {
             }
             let enough = applied >= u64::from(nth) + NOT_REACHED_MARGIN;
             let idle = idle_since.is_some_and(|t| t.elapsed() > Duration::from_secs(3));
-            if enough || idle || ledger.age() > POINT_CAP {
+            let stalled = progress.1.elapsed() > STALL;
+            if enough || idle || stalled || ledger.age() > POINT_CAP {
                 break match ledger.terminate(GRACE).await? {
                     // Reached while draining after SIGTERM: still a hit.
                     Some(status) if !status.success() => {
