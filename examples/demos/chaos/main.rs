@@ -6,22 +6,27 @@
 //! first, racing it through two concurrent lanes, half later; plus a few malformed payloads),
 //! then starts the ledger as a child process again and again:
 //!
-//! - once per named crash point (`txinbox::crash`: `after_claim`, `after_handler`,
-//!   `after_commit`, `batch_open`, and on Kafka `rebalance`, armed while a second member joins
-//!   the group) with `TXINBOX_CRASH_AT=<point>:<n>`, where the ledger must abort by itself
-//!   (SIGABRT). A point this build never reaches is reported as "not reached", and is a failure
-//!   unless it is listed in `--allow-unreached`;
-//! - `--random-kills` times with SIGKILL at a random moment while it is consuming;
+//! - once per named crash point (`txinbox::crash`: on Kafka first `rebalance`, armed in a
+//!   consuming member while a second member joins the group, which is then SIGKILLed too; then
+//!   `after_claim`, `after_handler`, `after_commit`, `batch_open`) with
+//!   `TXINBOX_CRASH_AT=<point>:<n>`, where the ledger must abort by itself (SIGABRT). A point
+//!   this build never reaches (the ledger finished `n` + 100 events, or nothing for 20 s,
+//!   without aborting) is reported as "not reached", and is a failure unless it is listed in
+//!   `--allow-unreached`;
+//! - then, with the second half of the events published, `--random-kills` times with SIGKILL
+//!   at a random moment while it is consuming (fewer if the time budget runs out);
 //! - finally once to the end, stopped with SIGTERM (which must exit 0).
 //!
 //! Then it checks PostgreSQL and the broker: the sum of the balances equals the sum of the
 //! unique events' amounts (and every account's balance its own sum), `ledger_entries` holds
 //! exactly one row per unique event, every malformed event has a dead letter, and nothing is
 //! left unacknowledged (RabbitMQ: work and retry queues empty once no consumer is attached;
-//! Kafka: group offsets and database positions at every partition's high watermark). It prints
+//! Kafka: group offsets and database positions at the end of every partition). It prints
 //! a summary table and exits non-zero on any loss, doubling, unacknowledged message, missed
 //! crash point or unexpected exit. The topic or queue and the database are deleted after a
-//! clean run and kept (and named) after a failed one, with every ledger's log.
+//! clean run and kept (and named) after a failed one, with every ledger's log. Kafka runs use
+//! `--kafka-session-timeout-ms` (default 6000; CI uses 3000 on tansu) so that a restart after a
+//! kill waits only that long for the dead member.
 //!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
 //! and the ledger built with crash points next to this program:
