@@ -545,6 +545,7 @@ impl PollerContext {
         let mut tpl = tpl.clone();
         let topics: BTreeSet<String> = tpl.elements().iter().map(|e| e.topic().to_owned()).collect();
         let mut from_db = Vec::new();
+        let mut starts: HashMap<(String, i32), i64> = HashMap::new();
         for topic in &topics {
             let Some(positions) = self.load_positions(topic) else {
                 // Stopping. The rebalance must still be completed with an (empty) assignment:
@@ -572,6 +573,7 @@ impl PollerContext {
                         continue;
                     }
                     from_db.push(format!("{topic}/{partition}@{next}"));
+                    starts.insert((topic.clone(), partition), next);
                 }
             }
         }
@@ -589,11 +591,18 @@ impl PollerContext {
                 state.next_epoch += 1;
                 let epoch = state.next_epoch;
                 let topic: Arc<str> = e.topic().into();
+                let mut partition = Partition::new(epoch, topic.clone(), e.partition());
+                if let Some(next) = starts.get(&(e.topic().to_owned(), e.partition())) {
+                    // Everything below the database position is done: store it for the group
+                    // commit at once, so the group's offset catches up after a crash between
+                    // the database commit and the offset commit even if nothing new arrives.
+                    partition.start_at(*next);
+                }
                 state
                     .partitions
-                    .entry(topic.clone())
+                    .entry(topic)
                     .or_default()
-                    .insert(e.partition(), Partition::new(epoch, topic, e.partition()));
+                    .insert(e.partition(), partition);
             }
         }
         let result = if cooperative {
@@ -653,6 +662,9 @@ impl PollerContext {
             }
         }
         drop(state);
+        // The revoked partitions are drained, their final offsets not yet committed: a crash
+        // here must leave the new owner to start from the database positions.
+        txinbox::crash::hit(txinbox::crash::REBALANCE);
         if lost {
             tracing::info!(
                 partitions = ?keys,

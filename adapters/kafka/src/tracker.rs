@@ -167,6 +167,12 @@ impl Partition {
         }
     }
 
+    /// The assignment starts at `next`, a position below which every offset is done (the
+    /// database position): it is the position to store until a later offset settles.
+    pub(crate) fn start_at(&mut self, next: i64) {
+        self.done_next = Some(next);
+    }
+
     /// The position to store, if it moved since the last call.
     pub(crate) fn take_store(&mut self) -> Option<i64> {
         let next = self.done_next?;
@@ -208,6 +214,18 @@ mod tests {
             "gaps in offsets (compaction, markers) are fine"
         );
         assert_eq!(p.unsettled(), 0);
+    }
+
+    #[test]
+    fn a_database_start_position_is_stored_before_anything_settles() {
+        let mut p = Partition::new(1, "t".into(), 0);
+        p.start_at(40);
+        assert_eq!(p.take_store(), Some(40), "stored although nothing new settled");
+        assert_eq!(p.take_store(), None);
+        assert!(p.receive(40));
+        p.hand_out();
+        p.settle(40);
+        assert_eq!(p.take_store(), Some(41));
     }
 
     #[test]

@@ -432,6 +432,63 @@ async fn crash_between_database_commit_and_offset_commit() {
     );
 }
 
+/// A crash after the database commits and before the offset commit leaves the group offsets
+/// behind the database positions. The restart starts at the database positions; with nothing
+/// new to consume it must still bring the group offsets there, or lag monitoring reports
+/// records that were applied long ago (found by the crash matrix, `examples/demos/chaos`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn group_offsets_catch_up_with_the_database_positions_without_new_records() {
+    let (mock, topic) = setup(2);
+    let db = TestDb::new().await;
+    let producer = Producer::new(&mock.bootstrap);
+    producer.deposits(&topic, 2, "a", 40, 0).await;
+    // What the crashed consumer left: every record applied and its position stored with the
+    // effects, no group offset committed.
+    for partition in 0..2 {
+        sqlx::query(
+            "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ($1, $2, $3, 20)",
+        )
+        .bind(CONSUMER)
+        .bind(&topic)
+        .bind(partition.to_string())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        group_offsets(&mock.bootstrap, "g-catch-up", &topic, 2),
+        BTreeMap::from([(0, None), (1, None)])
+    );
+
+    let handler = DepositHandler::new(2);
+    let running = Running::start(
+        &db,
+        kafka_config(&mock.bootstrap, "g-catch-up", &topic),
+        handler.clone(),
+    );
+    // Assigned, started at the database positions, nothing to consume.
+    let started = std::time::Instant::now();
+    while group_offsets(&mock.bootstrap, "g-catch-up", &topic, 2)
+        .values()
+        .any(|o| *o != Some(20))
+        && started.elapsed() < Duration::from_secs(30)
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    running.stop().await;
+
+    assert_eq!(
+        handler.calls.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "nothing re-applied"
+    );
+    assert_eq!(
+        group_offsets(&mock.bootstrap, "g-catch-up", &topic, 2),
+        BTreeMap::from([(0, Some(20)), (1, Some(20))]),
+        "the group offsets are at the database positions"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn database_restore_reapplies_exactly_the_lost_messages() {
     let (mock, topic) = setup(3);

@@ -1,0 +1,929 @@
+//! The crash matrix: runs the `ledger` example against Kafka and RabbitMQ while killing it, and
+//! proves that no payment was lost and none applied twice.
+//!
+//! For each broker it creates a fresh topic or queue and a fresh database, publishes payment
+//! events (about `--duplicate-percent` of them twice: half of the copies right behind the
+//! first, racing it through two concurrent lanes, half later; plus a few malformed payloads),
+//! then starts the ledger as a child process again and again:
+//!
+//! - once per named crash point (`txinbox::crash`: on Kafka first `rebalance`, armed in a
+//!   consuming member while a second member joins the group, which is then SIGKILLed too; then
+//!   `after_claim`, `after_handler`, `after_commit`, `batch_open`) with
+//!   `TXINBOX_CRASH_AT=<point>:<n>`, where the ledger must abort by itself (SIGABRT). A point
+//!   this build never reaches (the ledger finished `n` + 100 events, or nothing for 20 s,
+//!   without aborting) is reported as "not reached", and is a failure unless it is listed in
+//!   `--allow-unreached`;
+//! - then, with the second half of the events published, `--random-kills` times with SIGKILL
+//!   at a random moment while it is consuming (fewer if the time budget runs out);
+//! - finally once to the end, stopped with SIGTERM (which must exit 0).
+//!
+//! Then it checks PostgreSQL and the broker: the sum of the balances equals the sum of the
+//! unique events' amounts (and every account's balance its own sum), `ledger_entries` holds
+//! exactly one row per unique event, every malformed event has a dead letter, and nothing is
+//! left unacknowledged (RabbitMQ: work and retry queues empty once no consumer is attached;
+//! Kafka: group offsets and database positions at the end of every partition). It prints
+//! a summary table and exits non-zero on any loss, doubling, unacknowledged message, missed
+//! crash point or unexpected exit. The topic or queue and the database are deleted after a
+//! clean run and kept (and named) after a failed one, with every ledger's log. Kafka runs use
+//! `--kafka-session-timeout-ms` (default 6000; CI uses 3000 on tansu) so that a restart after a
+//! kill waits only that long for the dead member.
+//!
+//! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
+//! and the ledger built with crash points next to this program:
+//!
+//! ```text
+//! cargo build -p txinbox-demos --features crash-points --example ledger --example chaos
+//! target/debug/examples/chaos --source all --events 2000 --time-budget 120
+//! ```
+//!
+//! `scripts/chaos` does both (CI runs it). Against your own setup: `--brokers` /
+//! `KAFKA_BROKERS`, `--amqp-url` / `AMQP_URL`, `--database-url` / `DATABASE_URL` (a role that
+//! may create databases), `--events`, `--time-budget`, `--seed` to replay a run's choices.
+//! `--sabotage` runs every ledger under a new consumer name, so its inbox cannot recognise what
+//! an earlier (killed) run applied: the check must then report doubled payments and fail — a
+//! demonstration that the harness can fail.
+
+mod brokers;
+mod events;
+mod process;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use nix::sys::signal::Signal;
+use txinbox::crash;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use txinbox::sqlx::{self, ConnectOptions as _, Executor as _, PgPool};
+use txinbox_demos::reconcile::{self, Reconciliation};
+
+use brokers::{Amqp, Kafka};
+use events::{Outgoing, Plan};
+use process::{describe, died_of, tail, Launcher, Ledger};
+
+/// How often the harness looks at the database and the children.
+const POLL: Duration = Duration::from_millis(100);
+/// How long a stopping ledger may take to exit after SIGTERM.
+const GRACE: Duration = Duration::from_secs(30);
+/// A crash point counts as not reached once this many more messages than its `n` were applied
+/// without an abort.
+const NOT_REACHED_MARGIN: u64 = 100;
+/// A crash-point run that finishes no event for this long (a restart after a kill included)
+/// has nothing left to do: the point counts as not reached.
+const STALL: Duration = Duration::from_secs(20);
+/// Longest wait for one crash-point run.
+const POINT_CAP: Duration = Duration::from_secs(60);
+/// How long a rebalance takes at most once the second member started (a few session
+/// timeouts).
+const REBALANCE_CAP: Duration = Duration::from_secs(40);
+/// Time left for the final run when random kills stop.
+const FINAL_RESERVE: Duration = Duration::from_secs(20);
+/// The final run may always take this long to drain, even past the budget.
+const FINAL_MIN: Duration = Duration::from_secs(60);
+
+/// Runs the ledger under a crash matrix and checks that nothing was lost or doubled.
+#[derive(Debug, Parser)]
+#[command(name = "chaos")]
+struct Args {
+    /// Which broker(s) to run against.
+    #[arg(long, value_enum, default_value = "all", env = "CHAOS_SOURCE")]
+    source: Which,
+    /// Unique payment events to publish per broker.
+    #[arg(long, default_value_t = 2000, env = "CHAOS_EVENTS", value_parser = clap::value_parser!(u32).range(10..))]
+    events: u32,
+    /// Percentage of the events published twice.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(0..=100))]
+    duplicate_percent: u32,
+    /// Malformed payloads to publish per broker (each must end as a dead letter).
+    #[arg(long, default_value_t = 4)]
+    malformed: usize,
+    /// SIGKILLs at random moments per broker (fewer if the time budget runs out).
+    #[arg(long, default_value_t = 4)]
+    random_kills: u32,
+    /// Seconds for the whole run, all brokers together; the crash points always run, random
+    /// kills fill the rest.
+    #[arg(long, default_value_t = 120, env = "CHAOS_TIME_BUDGET")]
+    time_budget: u64,
+    /// Kafka bootstrap brokers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// The ledger's Kafka `session.timeout.ms`: how long the group waits for a killed member
+    /// before a restarted one gets its partitions. Apache Kafka refuses less than its
+    /// `group.min.session.timeout.ms` (6000 by default).
+    #[arg(long, default_value_t = 6000)]
+    kafka_session_timeout_ms: u32,
+    /// RabbitMQ URI.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// PostgreSQL URL of a role that may create databases; each broker's run gets its own.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database_url: String,
+    /// The ledger binary (built with `--features crash-points`). Default: `ledger` next to
+    /// this program.
+    #[arg(long, env = "CHAOS_LEDGER")]
+    ledger: Option<PathBuf>,
+    /// Crash points that may go unreached without failing the run (comma-separated).
+    /// `batch_open` is reached only once the runtime batches messages.
+    #[arg(long, value_delimiter = ',', default_value = "batch_open")]
+    allow_unreached: Vec<String>,
+    /// Seed for every random choice (printed at the start of each run).
+    #[arg(long, env = "CHAOS_SEED")]
+    seed: Option<u64>,
+    /// Keep the databases, topics and queues even after a clean run.
+    #[arg(long)]
+    keep: bool,
+    /// Run each ledger under a new consumer name: the inbox cannot deduplicate across
+    /// restarts, so the run must FAIL with doubled payments (proves the check can fail).
+    #[arg(long)]
+    sabotage: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Which {
+    All,
+    Kafka,
+    Amqp,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    for point in &args.allow_unreached {
+        anyhow::ensure!(
+            point.is_empty() || crash::POINTS.contains(&point.as_str()),
+            "--allow-unreached {point}: unknown crash point; known: {:?}",
+            crash::POINTS
+        );
+    }
+    let ledger = match &args.ledger {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("this program's directory")?
+            .join("ledger"),
+    };
+    anyhow::ensure!(
+        ledger.is_file(),
+        "no ledger binary at {}: build it first with `cargo build -p txinbox-demos --features crash-points --example ledger` (or pass --ledger)",
+        ledger.display()
+    );
+    let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
+    let sources: Vec<&'static str> = match args.source {
+        Which::All => vec!["kafka", "amqp"],
+        Which::Kafka => vec!["kafka"],
+        Which::Amqp => vec!["amqp"],
+    };
+    println!(
+        "chaos: {} events per broker, {}% sent twice, {} malformed, up to {} random kills, budget {} s, seed {seed}{}",
+        args.events,
+        args.duplicate_percent,
+        args.malformed,
+        args.random_kills,
+        args.time_budget,
+        if args.sabotage { ", SABOTAGE: a new consumer name per run" } else { "" }
+    );
+    let deadline = Instant::now() + Duration::from_secs(args.time_budget);
+    let mut reports = Vec::new();
+    for (i, source) in sources.iter().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let share = left / (sources.len() - i) as u32;
+        let source_seed = seed.wrapping_add(i as u64);
+        let run = run_source(&args, source, &ledger, source_seed, Instant::now() + share);
+        let report = tokio::select! {
+            report = run => report?,
+            _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; the ledgers were killed"),
+        };
+        reports.push(report);
+    }
+    print_summary(&reports);
+    let failed: Vec<&Report> = reports.iter().filter(|r| !r.failures.is_empty()).collect();
+    if failed.is_empty() {
+        println!("chaos: ok");
+        Ok(())
+    } else {
+        for r in &failed {
+            println!("\n{} FAILED ({}):", r.source, r.resources);
+            for f in &r.failures {
+                println!("  - {f}");
+            }
+        }
+        std::process::exit(1);
+    }
+}
+
+/// What happened at one named crash point.
+#[derive(Debug, Clone)]
+enum PointResult {
+    /// The ledger aborted by itself at the point's `nth` hit, `applied` events after it started.
+    Aborted { nth: u32, applied: u64 },
+    /// The ledger applied `applied` events and never reached the point.
+    NotReached { applied: u64 },
+    /// Something else ended the run.
+    Failed(String),
+    /// The point does not exist for this broker.
+    NotApplicable,
+}
+
+impl std::fmt::Display for PointResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PointResult::Aborted { nth, applied } => write!(f, "aborted (hit {nth}, {applied} applied)"),
+            PointResult::NotReached { applied } => write!(f, "not reached ({applied} applied)"),
+            PointResult::Failed(_) => write!(f, "FAILED"),
+            PointResult::NotApplicable => write!(f, "n/a"),
+        }
+    }
+}
+
+/// One broker's results.
+#[derive(Debug, Default)]
+struct Report {
+    source: &'static str,
+    resources: String,
+    runs: u32,
+    kills: u32,
+    aborts: u32,
+    messages: u64,
+    absorbed: u64,
+    lost: u64,
+    doubled: u64,
+    unacked: u64,
+    points: BTreeMap<&'static str, PointResult>,
+    failures: Vec<String>,
+    elapsed: Duration,
+}
+
+/// The broker under test.
+enum Side {
+    Kafka(Kafka),
+    Amqp(Box<Amqp>),
+}
+
+impl Side {
+    fn ledger_args(&self) -> Vec<String> {
+        match self {
+            Side::Kafka(k) => k.ledger_args(),
+            Side::Amqp(a) => a.ledger_args(),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Side::Kafka(k) => format!("topic {}", k.topic()),
+            Side::Amqp(a) => format!("queue {}", a.queue()),
+        }
+    }
+
+    async fn publish(&self, messages: &[Outgoing]) -> anyhow::Result<()> {
+        match self {
+            Side::Kafka(k) => k.publish(messages).await,
+            Side::Amqp(a) => a.publish(messages).await,
+        }
+    }
+
+    async fn consumed(&self, pool: &PgPool) -> anyhow::Result<bool> {
+        match self {
+            Side::Kafka(k) => k.consumed(pool).await,
+            Side::Amqp(a) => a.consumed().await,
+        }
+    }
+
+    async fn unacknowledged(&self, pool: &PgPool) -> anyhow::Result<(u64, Vec<String>)> {
+        match self {
+            Side::Kafka(k) => k.unacknowledged(pool).await,
+            Side::Amqp(a) => a.unacknowledged().await,
+        }
+    }
+
+    async fn delete(&self) -> anyhow::Result<()> {
+        match self {
+            Side::Kafka(k) => k.delete().await,
+            Side::Amqp(a) => a.delete().await,
+        }
+    }
+
+    /// The points in the order they are run: `rebalance` first, while most of the first wave
+    /// is still to be consumed, so that the revocation happens mid-stream.
+    fn points(&self) -> Vec<&'static str> {
+        let mut points = Vec::new();
+        if matches!(self, Side::Kafka(_)) {
+            points.push(crash::REBALANCE);
+        }
+        points.extend([
+            crash::AFTER_CLAIM,
+            crash::AFTER_HANDLER,
+            crash::AFTER_COMMIT,
+            crash::BATCH_OPEN,
+        ]);
+        points
+    }
+}
+
+/// A database made for one broker's run.
+struct Database {
+    admin: PgConnectOptions,
+    name: String,
+    url: String,
+    pool: PgPool,
+}
+
+impl Database {
+    async fn create(admin_url: &str, name: &str) -> anyhow::Result<Database> {
+        let admin: PgConnectOptions = admin_url.parse().context(
+            "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database",
+        )?;
+        let mut conn = admin
+            .connect()
+            .await
+            .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .with_context(|| format!("creating database {name} (the role needs CREATEDB)"))?;
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(admin.clone().database(name))
+            .await?;
+        Ok(Database {
+            url: with_database(admin_url, name),
+            name: name.to_owned(),
+            admin,
+            pool,
+        })
+    }
+
+    /// Distinct events the ledger has finished: applied, or dead-lettered. 0 until the first
+    /// ledger has created its tables.
+    async fn finished(&self) -> u64 {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT (SELECT count(DISTINCT event_id) FROM ledger_entries)
+                  + (SELECT count(DISTINCT message_id) FROM txinbox.dead_letters)",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map(|n| n as u64)
+        .unwrap_or(0)
+    }
+
+    async fn drop_database(self) -> anyhow::Result<()> {
+        self.pool.close().await;
+        let mut conn = self.admin.connect().await?;
+        conn.execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        )))
+        .await?;
+        Ok(())
+    }
+}
+
+/// `url` with its database replaced by `name` (query parameters kept).
+fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let authority_start = base.find("://").map_or(0, |i| i + 3);
+    let base = match base[authority_start..].find('/') {
+        Some(slash) => &base[..authority_start + slash],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{name}?{q}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+/// One broker's crash matrix, random kills, final run and checks.
+async fn run_source(
+    args: &Args,
+    source: &'static str,
+    ledger: &std::path::Path,
+    seed: u64,
+    deadline: Instant,
+) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
+    let tag = format!("{stamp}-{:04x}", rng.u16(..));
+    println!("\n== {source}: seed {seed}");
+    let side = match source {
+        "kafka" => Side::Kafka(Kafka::create(&args.brokers, &tag, args.kafka_session_timeout_ms).await?),
+        _ => Side::Amqp(Box::new(Amqp::create(&args.amqp_url, &tag).await?)),
+    };
+    let db = Database::create(
+        &args.database_url,
+        &format!("ledger_chaos_{}", tag.replace('-', "_")),
+    )
+    .await?;
+    let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));
+    let resources = format!("database {}, {}, logs {}", db.name, side.name(), logs.display());
+    println!("   {resources}");
+    let mut launcher = Launcher::new(ledger.to_path_buf(), side.ledger_args(), logs)?;
+    launcher.env("DATABASE_URL", &db.url);
+    launcher.env("AMQP_URL", &args.amqp_url);
+    let plan = events::plan(
+        &tag,
+        args.events as usize,
+        args.duplicate_percent,
+        args.malformed,
+        &mut rng,
+    );
+    let mut chaos = Chaos {
+        source,
+        side,
+        db,
+        launcher,
+        rng,
+        published: 0,
+        sabotage: args.sabotage,
+        report: Report {
+            source,
+            resources,
+            messages: plan.expected.messages,
+            ..Report::default()
+        },
+        started,
+    };
+    chaos.run(args, &plan, deadline).await;
+    let Chaos {
+        side,
+        db,
+        launcher,
+        mut report,
+        ..
+    } = chaos;
+    report.runs = launcher.started();
+    report.elapsed = started.elapsed();
+    // A sabotaged run is meant to fail: nothing in it is worth keeping.
+    if (report.failures.is_empty() || args.sabotage) && !args.keep {
+        if let Err(e) = side.delete().await {
+            println!("   (could not delete the {}: {e})", side.name());
+        }
+        if let Err(e) = db.drop_database().await {
+            println!("   (could not drop the database: {e})");
+        }
+        let _ = std::fs::remove_dir_all(launcher.logs());
+    }
+    Ok(report)
+}
+
+struct Chaos {
+    source: &'static str,
+    side: Side,
+    db: Database,
+    launcher: Launcher,
+    rng: fastrand::Rng,
+    /// Distinct event IDs published so far (valid and malformed).
+    published: u64,
+    sabotage: bool,
+    report: Report,
+    started: Instant,
+}
+
+impl Chaos {
+    async fn run(&mut self, args: &Args, plan: &Plan, deadline: Instant) {
+        if let Err(e) = self.matrix_and_kills(args, plan, deadline).await {
+            self.report.failures.push(format!("{e:#}"));
+            return;
+        }
+        if let Err(e) = self.check(plan).await {
+            self.report.failures.push(format!("checking failed: {e:#}"));
+        }
+        let unreached: Vec<&str> = self
+            .report
+            .points
+            .iter()
+            .filter(|(_, r)| matches!(r, PointResult::NotReached { .. }))
+            .map(|(p, _)| *p)
+            .collect();
+        let attempted = self
+            .report
+            .points
+            .values()
+            .filter(|r| !matches!(r, PointResult::NotApplicable))
+            .count();
+        for point in &unreached {
+            if !args.allow_unreached.iter().any(|p| p == point) {
+                let hint = if unreached.len() == attempted {
+                    " (no point was reached: was the ledger built with --features crash-points?)"
+                } else {
+                    ""
+                };
+                self.report.failures.push(format!(
+                    "crash point {point} was never reached{hint}; pass --allow-unreached {point} if this build has no such point"
+                ));
+            }
+        }
+    }
+
+    fn consumer_name(&self) -> String {
+        if self.sabotage {
+            format!("ledger-run-{}", self.launcher.started() + 1)
+        } else {
+            "ledger".into()
+        }
+    }
+
+    fn start(&mut self, label: &str, crash_at: Option<&str>) -> anyhow::Result<Ledger> {
+        let name = self.consumer_name();
+        self.launcher.start(label, crash_at, &name)
+    }
+
+    /// Prints one line about the run just finished.
+    fn line(&self, what: &str, outcome: &str, since: Instant) {
+        self.line_of(self.launcher.started(), what, outcome, since);
+    }
+
+    /// Prints one line about run number `run`.
+    fn line_of(&self, run: u32, what: &str, outcome: &str, since: Instant) {
+        println!(
+            "   {:<5} run {run:>2} {:<26} → {outcome} [{:.1} s, at {:.0} s]",
+            self.source,
+            what,
+            since.elapsed().as_secs_f64(),
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+
+    async fn publish(&mut self, wave: &[Outgoing]) -> anyhow::Result<()> {
+        self.side.publish(wave).await?;
+        self.published += wave.iter().filter(|m| m.copy == 0).count() as u64;
+        Ok(())
+    }
+
+    async fn matrix_and_kills(&mut self, args: &Args, plan: &Plan, deadline: Instant) -> anyhow::Result<()> {
+        self.publish(&plan.first_wave).await?;
+        println!(
+            "   published {} messages (first wave); {} more follow after the crash points",
+            plan.first_wave.len(),
+            plan.second_wave.len()
+        );
+        let points = self.side.points();
+        // The n-th hit: early enough that the first wave cannot run out before every point.
+        let most = (self.published / (4 * points.len() as u64)).clamp(1, 25) as u32;
+        for point in crash::POINTS {
+            self.report.points.insert(point, PointResult::NotApplicable);
+        }
+        for point in points {
+            let result = if point == crash::REBALANCE {
+                // The first revocation: the one the joining member causes.
+                self.rebalance_run(1).await?
+            } else {
+                let nth = self.rng.u32(1..=most);
+                self.point_run(point, nth).await?
+            };
+            let failed = match &result {
+                PointResult::Failed(why) => Some(format!("crash point {point}: {why}")),
+                _ => None,
+            };
+            self.report.points.insert(point, result);
+            if let Some(why) = failed {
+                anyhow::bail!(why);
+            }
+        }
+        self.publish(&plan.second_wave).await?;
+        println!("   published {} messages (second wave)", plan.second_wave.len());
+        let mut kills = 0;
+        while kills < args.random_kills && Instant::now() + FINAL_RESERVE < deadline {
+            self.kill_run().await?;
+            kills += 1;
+        }
+        self.final_run(deadline.max(Instant::now() + FINAL_MIN)).await
+    }
+
+    /// Whether every published event is finished.
+    async fn all_finished(&self) -> bool {
+        self.db.finished().await >= self.published
+    }
+
+    async fn point_run(&mut self, point: &'static str, nth: u32) -> anyhow::Result<PointResult> {
+        let since = Instant::now();
+        let before = self.db.finished().await;
+        let mut what = format!("crash at {point}:{nth}");
+        let mut ledger = self.start(&format!("crash-{point}"), Some(&format!("{point}:{nth}")))?;
+        let mut idle_since: Option<Instant> = None;
+        let mut progress = (0, Instant::now());
+        let result = loop {
+            tokio::time::sleep(POLL).await;
+            let applied = self.db.finished().await.saturating_sub(before);
+            if applied > progress.0 {
+                progress = (applied, Instant::now());
+            }
+            if let Some(status) = ledger.exited()? {
+                break self.ended(&ledger, status, nth, applied, point);
+            }
+            if self.all_finished().await {
+                idle_since.get_or_insert_with(Instant::now);
+            }
+            let enough = applied >= u64::from(nth) + NOT_REACHED_MARGIN;
+            let idle = idle_since.is_some_and(|t| t.elapsed() > Duration::from_secs(3));
+            let stalled = progress.1.elapsed() > STALL;
+            if enough || idle || stalled || ledger.age() > POINT_CAP {
+                break match ledger.terminate(GRACE).await? {
+                    // Reached while draining after SIGTERM: still a hit.
+                    Some(status) if !status.success() => {
+                        what.push_str(" +SIGTERM");
+                        self.ended(&ledger, status, nth, applied, point)
+                    }
+                    Some(_) => PointResult::NotReached { applied },
+                    None => PointResult::Failed(format!(
+                        "did not stop within {GRACE:?} of SIGTERM; log {}",
+                        ledger.log().display()
+                    )),
+                };
+            }
+        };
+        self.line(&what, &result.to_string(), since);
+        Ok(result)
+    }
+
+    /// Classifies the exit of a ledger armed with a crash point.
+    fn ended(
+        &mut self,
+        ledger: &Ledger,
+        status: std::process::ExitStatus,
+        nth: u32,
+        applied: u64,
+        point: &str,
+    ) -> PointResult {
+        if died_of(status, Signal::SIGABRT) {
+            self.report.aborts += 1;
+            PointResult::Aborted { nth, applied }
+        } else {
+            PointResult::Failed(format!(
+                "ended with {} instead of aborting at {point}; log {}:\n{}",
+                describe(status),
+                ledger.log().display(),
+                tail(ledger.log(), 15)
+            ))
+        }
+    }
+
+    /// Kafka: a consuming member armed with `rebalance:<nth>` must abort while it gives up
+    /// partitions to a second member that joins the group.
+    async fn rebalance_run(&mut self, nth: u32) -> anyhow::Result<PointResult> {
+        let since = Instant::now();
+        let point = crash::REBALANCE;
+        let before = self.db.finished().await;
+        let mut victim = self.start("crash-rebalance", Some(&format!("{point}:{nth}")))?;
+        let victim_run = self.launcher.started();
+        // Let it take the partitions and consume a little first.
+        let consuming = Instant::now();
+        loop {
+            tokio::time::sleep(POLL).await;
+            let applied = self.db.finished().await.saturating_sub(before);
+            if let Some(status) = victim.exited()? {
+                let result = self.ended(&victim, status, nth, applied, point);
+                self.line(
+                    &format!("crash at {point}:{nth} (alone)"),
+                    &result.to_string(),
+                    since,
+                );
+                return Ok(result);
+            }
+            if applied >= 10 || self.all_finished().await || consuming.elapsed() > POINT_CAP {
+                break;
+            }
+        }
+        let mut joiner = self.start("rebalance-joiner", None)?;
+        let joined = Instant::now();
+        let result = loop {
+            tokio::time::sleep(POLL).await;
+            let applied = self.db.finished().await.saturating_sub(before);
+            if let Some(status) = victim.exited()? {
+                break self.ended(&victim, status, nth, applied, point);
+            }
+            if let Some(status) = joiner.exited()? {
+                break PointResult::Failed(format!(
+                    "the joining member ended with {}; log {}",
+                    describe(status),
+                    joiner.log().display()
+                ));
+            }
+            if joined.elapsed() > REBALANCE_CAP {
+                // Not during the join: stopping revokes too, but that is not the point here.
+                victim.terminate(GRACE).await?;
+                break PointResult::NotReached { applied };
+            }
+        };
+        self.line_of(
+            victim_run,
+            &format!("crash at {point}:{nth} (2nd member)"),
+            &result.to_string(),
+            since,
+        );
+        // The joiner has just been handed every partition: kill it mid-stream too.
+        let since = Instant::now();
+        tokio::time::sleep(Duration::from_millis(self.rng.u64(500..2_500))).await;
+        self.kill(&mut joiner, since, "SIGKILL the joiner").await?;
+        Ok(result)
+    }
+
+    /// Kills `ledger` with SIGKILL; a ledger that had already exited is a failure.
+    async fn kill(&mut self, ledger: &mut Ledger, since: Instant, what: &str) -> anyhow::Result<()> {
+        if let Some(status) = ledger.exited()? {
+            self.line(what, "FAILED (ended by itself)", since);
+            anyhow::bail!(
+                "{what}: the ledger had already ended with {}; log {}:\n{}",
+                describe(status),
+                ledger.log().display(),
+                tail(ledger.log(), 15)
+            );
+        }
+        let status = ledger.kill().await?;
+        anyhow::ensure!(
+            died_of(status, Signal::SIGKILL),
+            "SIGKILL ended the ledger with {}",
+            describe(status)
+        );
+        self.report.kills += 1;
+        self.line(what, "killed", since);
+        Ok(())
+    }
+
+    /// Starts a ledger and SIGKILLs it at a random moment once it consumes.
+    async fn kill_run(&mut self) -> anyhow::Result<()> {
+        let since = Instant::now();
+        let before = self.db.finished().await;
+        let mut ledger = self.start("sigkill", None)?;
+        while ledger.age() < POINT_CAP {
+            tokio::time::sleep(POLL).await;
+            if ledger.exited()?.is_some() || self.db.finished().await > before || self.all_finished().await {
+                break;
+            }
+        }
+        let delay = Duration::from_millis(self.rng.u64(0..2_000));
+        tokio::time::sleep(delay).await;
+        let what = format!("SIGKILL after {} ms", delay.as_millis());
+        self.kill(&mut ledger, since, &what).await
+    }
+
+    /// Runs a ledger until every event is finished and the broker is drained, then stops it
+    /// with SIGTERM, which must end it with exit 0.
+    async fn final_run(&mut self, deadline: Instant) -> anyhow::Result<()> {
+        let since = Instant::now();
+        let mut ledger = self.start("final", None)?;
+        let mut drained_checks = 0;
+        loop {
+            tokio::time::sleep(POLL * 2).await;
+            if let Some(status) = ledger.exited()? {
+                anyhow::bail!(
+                    "the final ledger ended by itself with {}; log {}:\n{}",
+                    describe(status),
+                    ledger.log().display(),
+                    tail(ledger.log(), 15)
+                );
+            }
+            let drained =
+                self.all_finished().await && self.side.consumed(&self.db.pool).await.unwrap_or(false);
+            drained_checks = if drained { drained_checks + 1 } else { 0 };
+            if drained_checks >= 3 {
+                break;
+            }
+            if Instant::now() > deadline {
+                let finished = self.db.finished().await;
+                self.report.failures.push(format!(
+                    "not drained in time: {finished} of {} events finished (the unfinished ones are counted as lost below); log {}",
+                    self.published,
+                    ledger.log().display()
+                ));
+                break;
+            }
+        }
+        let outcome = match ledger.terminate(GRACE).await? {
+            Some(status) if status.success() => "drained, SIGTERM → exit 0".to_string(),
+            Some(status) => {
+                self.report.failures.push(format!(
+                    "SIGTERM ended the final ledger with {}; log {}",
+                    describe(status),
+                    ledger.log().display()
+                ));
+                format!("FAILED: SIGTERM → {}", describe(status))
+            }
+            None => {
+                self.report.failures.push(format!(
+                    "the final ledger did not stop within {GRACE:?} of SIGTERM; log {}",
+                    ledger.log().display()
+                ));
+                "FAILED: no exit after SIGTERM".into()
+            }
+        };
+        self.line("final (until drained)", &outcome, since);
+        Ok(())
+    }
+
+    /// Compares the database with what was published and asks the broker what is left.
+    async fn check(&mut self, plan: &Plan) -> anyhow::Result<()> {
+        let observed = reconcile::observe(&self.db.pool).await?;
+        let verdict = Reconciliation::compare(&plan.expected, &observed);
+        let report = &mut self.report;
+        report.lost = verdict.lost.len() as u64;
+        report.doubled = verdict.doubled_count();
+        report.absorbed = plan.expected.duplicate_copies().saturating_sub(report.doubled);
+        report.failures.extend(verdict.problems(5));
+        println!(
+            "   balances: sum {} (expected {}), {} ledger entries for {} unique events, {} dead-lettered",
+            verdict.actual_total,
+            verdict.expected_total,
+            observed.entries.len(),
+            verdict.unique,
+            observed.dead_lettered.len()
+        );
+        let (unacked, details) = self.side.unacknowledged(&self.db.pool).await?;
+        self.report.unacked = unacked;
+        if unacked > 0 {
+            self.report.failures.push(format!(
+                "{unacked} messages left unacknowledged: {}",
+                details.join("; ")
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn print_summary(reports: &[Report]) {
+    println!(
+        "\n{:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>8}  result",
+        "source",
+        "runs",
+        "kills",
+        "aborts",
+        "messages",
+        "duplicates absorbed",
+        "lost",
+        "doubled",
+        "unacked",
+        "time"
+    );
+    for r in reports {
+        println!(
+            "{:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>7.0}s  {}",
+            r.source,
+            r.runs,
+            r.kills,
+            r.aborts,
+            r.messages,
+            r.absorbed,
+            r.lost,
+            r.doubled,
+            r.unacked,
+            r.elapsed.as_secs_f64(),
+            if r.failures.is_empty() { "ok" } else { "FAILED" }
+        );
+    }
+    println!(
+        "\n{:<14} {}",
+        "crash point",
+        reports
+            .iter()
+            .map(|r| format!("{:<36}", r.source))
+            .collect::<String>()
+    );
+    for point in crash::POINTS {
+        let cells: String = reports
+            .iter()
+            .map(|r| {
+                format!(
+                    "{:<36}",
+                    r.points.get(point).map(|p| p.to_string()).unwrap_or_default()
+                )
+            })
+            .collect();
+        println!("{point:<14} {cells}");
+    }
+    println!("(duplicates absorbed: published copies beyond the first that left no second entry; the redeliveries caused by the kills are absorbed too but not counted)");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_database;
+
+    #[test]
+    fn the_database_is_replaced_and_the_rest_kept() {
+        assert_eq!(
+            with_database("postgres://postgres@127.0.0.1:5432/postgres", "x"),
+            "postgres://postgres@127.0.0.1:5432/x"
+        );
+        assert_eq!(
+            with_database("postgres://u:p@h/db?sslmode=require", "x"),
+            "postgres://u:p@h/x?sslmode=require"
+        );
+        assert_eq!(with_database("postgres://h:5432", "x"), "postgres://h:5432/x");
+        assert_eq!(
+            with_database("postgres://h:5432?sslmode=disable", "x"),
+            "postgres://h:5432/x?sslmode=disable"
+        );
+    }
+}

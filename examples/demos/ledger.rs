@@ -1,0 +1,170 @@
+//! The ledger: a payment consumer whose effect is not idempotent, made effectively-once by
+//! txinbox — and the target of the crash matrix (`examples/demos/chaos/`).
+//!
+//! It consumes payment events, JSON `{"account": "<id>", "amount_cents": <i64>}`, from Kafka or
+//! RabbitMQ and for each one, in a single PostgreSQL transaction with the event's inbox row,
+//! adds the amount to `accounts.balance_cents` (upsert) and appends a row to `ledger_entries`.
+//! Applying an event twice would show in both; the inbox makes a redelivery, a producer's
+//! duplicate or a replay after a crash a no-op. The event ID is the CloudEvents `ce_id` header
+//! on Kafka and the `message_id` property on AMQP (each adapter's default). A payload that is
+//! not a payment is dead-lettered with reason `undecodable` (Kafka: `<topic>.dlq`; AMQP:
+//! `<queue>.dlq`), never retried, never a crash. The tables are created if missing. SIGTERM or
+//! Ctrl-C stops it gracefully: intake stops, every received event is finished and acknowledged,
+//! the Kafka offsets are committed. Everything else is the framework's defaults.
+//!
+//! Needs PostgreSQL and a broker (`docker compose up -d`, or `scripts/test` installs them).
+//! Every flag also reads the environment variable shown by `--help`.
+//!
+//! ```text
+//! # RabbitMQ: consume the queue `payments` (declared, with payments.retry and payments.dlq)
+//! cargo run --release --example ledger -- --source amqp \
+//!     --amqp-url amqp://guest:guest@127.0.0.1:5672/%2f --queue payments \
+//!     --database-url postgres://postgres@127.0.0.1:5432/postgres
+//!
+//! # Kafka: the topic `payments` (and `payments.dlq`) must exist or be auto-created
+//! cargo run --release --example ledger -- --source kafka \
+//!     --brokers 127.0.0.1:9092 --topic payments --group ledger \
+//!     --database-url postgres://postgres@127.0.0.1:5432/postgres
+//! ```
+//!
+//! Then look at `SELECT * FROM accounts` and `SELECT count(*) FROM ledger_entries`. Built with
+//! `cargo build -p txinbox-demos --features crash-points --example ledger`, it aborts at a named
+//! point when `TXINBOX_CRASH_AT=<point>[:<n>]` says so (see `txinbox::crash`); the crash matrix
+//! (`scripts/chaos`, `examples/demos/chaos/`) does that for you.
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use tracing_subscriber::EnvFilter;
+use txinbox::{Consumer, PostgresInbox};
+use txinbox_amqp::{AmqpConfig, AmqpSource};
+use txinbox_demos::payments::{create_tables, Ledger};
+use txinbox_kafka::{KafkaConfig, KafkaSource};
+
+/// Applies payment events from Kafka or RabbitMQ to PostgreSQL balances, effectively once.
+#[derive(Debug, Parser)]
+#[command(name = "ledger")]
+struct Args {
+    /// Where the payment events come from.
+    #[arg(long, value_enum, env = "LEDGER_SOURCE")]
+    source: Source,
+    /// Kafka: bootstrap brokers, host:port[,host:port] (use 127.0.0.1 rather than localhost for
+    /// brokers that listen on IPv4 only).
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Kafka: the topic of payment events. Dead letters go to `<topic>.dlq`.
+    #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
+    topic: String,
+    /// Kafka: the consumer group.
+    #[arg(long, env = "KAFKA_GROUP", default_value = "ledger")]
+    group: String,
+    /// Kafka: extra librdkafka consumer properties, KEY=VALUE (repeatable; comma-separated in
+    /// the environment variable), e.g. `session.timeout.ms=6000`.
+    #[arg(long = "kafka-property", env = "LEDGER_KAFKA_PROPERTIES", value_delimiter = ',', value_parser = key_value)]
+    kafka_properties: Vec<(String, String)>,
+    /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// AMQP: the queue of payment events (declared if missing, with `<queue>.retry` and
+    /// `<queue>.dlq`).
+    #[arg(long, env = "AMQP_QUEUE", default_value = "payments")]
+    queue: String,
+    /// PostgreSQL: where the balances, the ledger entries and the inbox live. Its value is never
+    /// printed.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database_url: String,
+    /// The txinbox consumer name: half of every inbox key; instances of one service share it.
+    #[arg(long, env = "LEDGER_CONSUMER", default_value = "ledger")]
+    consumer_name: String,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Source {
+    Kafka,
+    Amqp,
+}
+
+fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    // Listen before anything else, so a SIGTERM during startup also stops gracefully.
+    let shutdown = shutdown_signal()?;
+
+    let inbox = PostgresInbox::connect(&args.database_url, 10)
+        .await
+        .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
+    txinbox::migrate(inbox.pool())
+        .await
+        .context("applying txinbox's migrations failed")?;
+    create_tables(inbox.pool())
+        .await
+        .context("creating the ledger's tables failed")?;
+
+    let result = match args.source {
+        Source::Kafka => {
+            let mut config =
+                KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name).topic(&args.topic);
+            for (key, value) in &args.kafka_properties {
+                config = config.set(key, value);
+            }
+            let source = KafkaSource::new(config, inbox.clone())?;
+            tracing::info!(brokers = %args.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
+            Consumer::builder(&args.consumer_name)
+                .source(source)
+                .inbox(inbox)
+                .handler(Ledger)
+                .build()?
+                .run_until(shutdown)
+                .await
+        }
+        Source::Amqp => {
+            let source = AmqpSource::connect(AmqpConfig::new(&args.amqp_url, &args.queue))
+                .await
+                .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
+            tracing::info!(queue = %args.queue, "ledger consuming from RabbitMQ");
+            Consumer::builder(&args.consumer_name)
+                .source(source)
+                .inbox(inbox)
+                .handler(Ledger)
+                .build()?
+                .run_until(shutdown)
+                .await
+        }
+    };
+    result.context("the consumer stopped with an error")?;
+    tracing::info!("ledger stopped");
+    Ok(())
+}
+
+/// Completes on SIGTERM or Ctrl-C (SIGINT).
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()> + Send> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM failed")?;
+    let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT failed")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: stopping gracefully"),
+            _ = int.recv() => tracing::info!("SIGINT: stopping gracefully"),
+        }
+    })
+}
