@@ -200,7 +200,7 @@ impl Handler<Postgres> for OrderHandler {
             .or_default()
             .push(ids);
         let n: usize = id.trim_start_matches("order-").parse().unwrap();
-        if n % 5 == 0 && cx.attempt() == 1 {
+        if n.is_multiple_of(5) && cx.attempt() == 1 {
             return Err(HandlerError::transient(
                 "simulated failure after the outbox write",
             ));
@@ -444,7 +444,11 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
         let want: Vec<String> = STEPS.iter().map(|s| outbox::derive_id(&order, s)).collect();
         let attempts = &derived[&order];
         assert!(attempts.iter().all(|ids| *ids == want), "{order}: {attempts:?}");
-        assert_eq!(attempts.len(), if i % 5 == 0 { 2 } else { 1 }, "{order} attempts");
+        assert_eq!(
+            attempts.len(),
+            if i.is_multiple_of(5) { 2 } else { 1 },
+            "{order} attempts"
+        );
         expected_ids.extend(want);
     }
     let in_outbox: HashSet<String> = sqlx::query_scalar("SELECT message_id FROM txinbox.outbox")
