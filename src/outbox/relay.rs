@@ -36,7 +36,7 @@ impl Default for RelayConfig {
             name: "outbox".into(),
             batch_size: 256,
             poll_interval: Duration::from_secs(1),
-            publish_timeout: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(20),
             retry: RetryPolicy::default()
                 .max_attempts(20)
                 .initial_delay(Duration::from_millis(500))
@@ -69,9 +69,12 @@ impl RelayConfig {
         self
     }
 
-    /// Longest wait for one broker confirmation before it counts as a failed attempt.
-    /// Default 30 s. The claim transaction stays open while publishing, so keep this below the
-    /// pool's `idle_in_transaction_session_timeout` (60 s with `PostgresInbox::connect_options`).
+    /// Longest wait for one broker confirmation before it counts as a failed attempt, and
+    /// how long a round keeps starting new publishes (rows not started by then wait for the
+    /// next round, no attempt counted). Default 20 s. The claim transaction stays open while
+    /// publishing — up to twice this — so keep twice this below the pool's
+    /// `idle_in_transaction_session_timeout` (60 s with `PostgresInbox::connect_options`).
+    /// A round the server cuts off is not lost: its rows are published again.
     pub fn publish_timeout(mut self, d: Duration) -> Self {
         self.publish_timeout = d;
         self
@@ -233,6 +236,11 @@ impl Metrics {
 /// at once; every `poll_interval` it looks anyway (lost notifications, retries coming due).
 /// A database error pauses the relay for `poll_interval` and it tries again; it never gives up
 /// on its own.
+///
+/// # Connections
+///
+/// A running relay holds two connections of its pool: the listener's, and the round's
+/// transaction (held while publishing, at most `publish_timeout` per row of a key).
 pub struct Relay<P> {
     pool: PgPool,
     publisher: Arc<P>,
@@ -376,6 +384,8 @@ impl<P: Publisher> Relay<P> {
                             tracing::info!(error = %e, "outbox LISTEN connection lost; polling until it is back");
                             return false;
                         }
+                        // One round serves every notification received so far.
+                        while l.next_buffered().is_some() {}
                         true
                     }
                     None => std::future::pending().await,
@@ -508,11 +518,12 @@ impl<P: Publisher> Relay<P> {
                 None => units.push(vec![i]),
             }
         }
+        let deadline = tokio::time::Instant::now() + self.config.publish_timeout;
         let results = futures::future::join_all(units.into_iter().map(|unit| async move {
             let mut out = Vec::with_capacity(unit.len());
             let mut failed = false;
             for i in unit {
-                if failed {
+                if failed || tokio::time::Instant::now() >= deadline {
                     out.push((i, Outcome::NotAttempted));
                     continue;
                 }

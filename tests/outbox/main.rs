@@ -56,6 +56,7 @@ struct Recorder {
     log: Arc<Mutex<Vec<(&'static str, OutboxMessage)>>>,
     failing: Arc<Mutex<HashMap<String, Failure>>>,
     jitter: bool,
+    pause: Duration,
 }
 
 #[derive(Clone, Copy)]
@@ -85,6 +86,7 @@ impl Recorder {
 #[async_trait]
 impl Publisher for Recorder {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        tokio::time::sleep(self.pause).await;
         if self.jitter {
             tokio::time::sleep(Duration::from_micros(fastrand::u64(0..2000))).await;
         }
@@ -554,5 +556,47 @@ async fn metrics_count_publishes_failures_dead_letters_and_the_backlog() {
         counters.get("txinbox_outbox_dead_letters_total"),
         Some(&1),
         "{counters:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_round_stops_starting_publishes_after_the_publish_timeout() {
+    let pool = test_db().await;
+    for i in 0..5 {
+        outbox::write(
+            &pool,
+            &OutboxMessage::new(format!("slow-{i}"), "t", "x").with_key("k"),
+        )
+        .await
+        .unwrap();
+    }
+    let recorder = Recorder {
+        pause: Duration::from_millis(300),
+        ..Recorder::default()
+    };
+    let relay = Relay::new(
+        pool.clone(),
+        recorder.clone(),
+        fast_config().publish_timeout(Duration::from_millis(500)),
+    )
+    .unwrap();
+    // Started at 0 ms and 300 ms; at 600 ms the round's 500 ms are over.
+    let round = relay.relay_once().await.unwrap();
+    assert_eq!(
+        (round.claimed, round.published, round.failed),
+        (5, 2, 0),
+        "{round:?}"
+    );
+    let untouched = sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM txinbox.outbox WHERE status = 'pending' AND attempts = 0",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(untouched, 3, "rows not started cost no attempt");
+    drain(&relay).await;
+    assert_eq!(
+        recorder.ids(),
+        (0..5).map(|i| format!("slow-{i}")).collect::<Vec<_>>()
     );
 }

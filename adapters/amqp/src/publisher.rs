@@ -86,7 +86,7 @@ impl AmqpPublisher {
     }
 
     /// Longest wait for a publish and its confirm. Default 10 s; keep it below the relay's
-    /// `publish_timeout` (default 30 s).
+    /// `publish_timeout` (default 20 s).
     pub fn publish_timeout(mut self, d: Duration) -> Self {
         self.publish_timeout = d;
         self

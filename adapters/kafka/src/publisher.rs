@@ -11,7 +11,7 @@ use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
 /// Default for [`KafkaPublisher::delivery_timeout`].
-pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(20);
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Properties the publisher owns; a pass-through value for them is refused.
 const OWNED: &[(&str, &str)] = &[
@@ -76,7 +76,7 @@ impl KafkaPublisher {
 
 impl KafkaPublisherBuilder {
     /// Longest wait for a delivery report (`message.timeout.ms`, including librdkafka's own
-    /// retries). Default 20 s; keep it below the relay's `publish_timeout` (default 30 s).
+    /// retries). Default 15 s; keep it below the relay's `publish_timeout` (default 20 s).
     pub fn delivery_timeout(mut self, d: Duration) -> Self {
         self.delivery_timeout = d;
         self
