@@ -1,6 +1,7 @@
 //! Outbox relay throughput, side by side: how fast a relay drains a backlog of outbox rows,
-//! by publisher (none — the database's share alone —, Kafka, RabbitMQ), batch size and number
-//! of keys.
+//! by publisher (none — the database's share alone —, Kafka, RabbitMQ with 1 or 4 channels),
+//! batch size and number of keys. One key's rows are published one after another (each waits
+//! for its confirmation), so the 1-key rows show the per-key ceiling.
 //!
 //! ```text
 //! cargo run --release --example outbox_bench              # DATABASE_URL, AMQP_URL, KAFKA_BROKERS
@@ -61,22 +62,33 @@ async fn drain<P: Publisher>(pool: &PgPool, publisher: P, batch: usize) -> anyho
         if round.claimed == 0 {
             break;
         }
-        anyhow::ensure!(round.failed == 0, "publish failures in a benchmark round: {round:?}");
+        anyhow::ensure!(
+            round.failed == 0,
+            "publish failures in a benchmark round: {round:?}"
+        );
     }
     Ok((started.elapsed(), published))
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let rows: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(2000);
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let rows: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(2000);
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let admin: PgConnectOptions = url.parse().context("DATABASE_URL does not parse")?;
     let db = format!("txinbox_outbox_bench_{}", std::process::id());
     let mut conn = admin.connect().await.context("connect to DATABASE_URL")?;
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).await?;
+    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .await?;
     let pool = PgPoolOptions::new()
         .max_connections(4)
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.clone().database(&db)))
+        .connect_with(txinbox::PostgresInbox::connect_options(
+            admin.clone().database(&db),
+        ))
         .await?;
     txinbox::migrate(&pool).await?;
 
@@ -92,7 +104,8 @@ async fn main() -> anyhow::Result<()> {
             None
         }
     };
-    let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let amqp_url =
+        std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let amqp_queue = format!("txinbox-outbox-bench-{stamp}");
     let amqp = match lapin_queue(&amqp_url, &amqp_queue).await {
         Ok(()) => Some(()),
@@ -103,8 +116,11 @@ async fn main() -> anyhow::Result<()> {
     };
 
     println!("outbox relay: {rows} rows of 200 bytes per scenario, one relay, rows/s (higher is better)");
-    println!("{:<10} {:>6} {:>6} {:>12} {:>10}", "publisher", "batch", "keys", "rows/s", "time");
-    for publisher in ["none", "kafka", "rabbitmq"] {
+    println!(
+        "{:<10} {:>6} {:>6} {:>12} {:>10}",
+        "publisher", "batch", "keys", "rows/s", "time"
+    );
+    for publisher in ["none", "kafka", "rabbit/1ch", "rabbit/4ch"] {
         for (batch, keys) in [(1, 64), (32, 1), (32, 64), (256, 1), (256, 64)] {
             let destination = match publisher {
                 "kafka" => format!("txinbox-outbox-bench-{stamp}"),
@@ -125,7 +141,10 @@ async fn main() -> anyhow::Result<()> {
                 _ => match amqp {
                     Some(()) => {
                         fill(&pool, &destination, rows, keys).await?;
-                        let p = txinbox_amqp::AmqpPublisher::connect(&amqp_url).await?;
+                        let channels = if publisher == "rabbit/1ch" { 1 } else { 4 };
+                        let p = txinbox_amqp::AmqpPublisher::connect(&amqp_url)
+                            .await?
+                            .channels(channels);
                         Some(drain(&pool, p, batch).await?)
                     }
                     None => None,
@@ -151,8 +170,10 @@ async fn main() -> anyhow::Result<()> {
     // The Kafka producer's drop flushes and joins its threads: not on a runtime worker.
     tokio::task::spawn_blocking(move || drop(kafka)).await?;
     pool.close().await;
-    conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
-        .await?;
+    conn.execute(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+    )))
+    .await?;
     Ok(())
 }
 
@@ -167,7 +188,9 @@ impl Publisher for Shared {
 }
 
 async fn lapin_queue(url: &str, queue: &str) -> anyhow::Result<()> {
-    use txinbox_amqp::lapin::{options::QueueDeclareOptions, types::FieldTable, Connection, ConnectionProperties};
+    use txinbox_amqp::lapin::{
+        options::QueueDeclareOptions, types::FieldTable, Connection, ConnectionProperties,
+    };
     let conn = Connection::connect(url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
     ch.queue_declare(
@@ -187,7 +210,8 @@ async fn delete_queue(url: &str, queue: &str) -> anyhow::Result<()> {
     use txinbox_amqp::lapin::{options::QueueDeleteOptions, Connection, ConnectionProperties};
     let conn = Connection::connect(url, ConnectionProperties::default()).await?;
     let ch = conn.create_channel().await?;
-    ch.queue_delete(queue.into(), QueueDeleteOptions::default()).await?;
+    ch.queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await?;
     conn.close(200, "deleted".into()).await?;
     Ok(())
 }

@@ -101,7 +101,7 @@ pub use config::{
 };
 pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
 pub use error::Error;
-pub use publisher::{AmqpPublisher, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};
+pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};
 pub use source::{AmqpMonitor, AmqpSource};
 
 /// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].

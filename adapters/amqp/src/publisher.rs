@@ -16,6 +16,9 @@ use crate::error::Error;
 /// in order sets [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
 pub const KEY_HEADER: &str = "message-key";
 
+/// Default for [`AmqpPublisher::channels`].
+pub const DEFAULT_CHANNELS: usize = 4;
+
 /// Default for [`AmqpPublisher::publish_timeout`].
 pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -34,16 +37,20 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`ID_HEADER`]; its key, if any, as header [`KEY_HEADER`]; then the row's own headers
 /// (UTF-8 values as long strings, others as byte arrays).
 ///
-/// Publishes go out one at a time on one channel: lapin pairs a `basic.return` with whichever
-/// confirm completes next, so with several publishes in flight an unroutable message could be
-/// taken as confirmed. One channel in order also keeps the relay's per-key order on the queue.
-/// After any failure the connection is dropped and the next publish opens a new one.
+/// Each channel carries one publish at a time: lapin pairs a `basic.return` with whichever
+/// confirm completes next, so with several publishes in flight on a channel an unroutable
+/// message could be taken as confirmed. For throughput the publisher keeps
+/// [`channels`](Self::channels) connections (default 4), each with one channel, used by
+/// concurrent publishes of different keys. Per-key order holds regardless: the relay publishes
+/// a key's next row only after the previous one was confirmed, i.e. is in its queue. After any
+/// failure that connection is dropped and the next publish on it opens a new one.
 pub struct AmqpPublisher {
     uri: String,
     exchange: ShortString,
     publish_timeout: Duration,
     connect_timeout: Duration,
-    session: tokio::sync::Mutex<Option<Session>>,
+    lanes: Vec<tokio::sync::Mutex<Option<Session>>>,
+    next_lane: std::sync::atomic::AtomicUsize,
 }
 
 struct Session {
@@ -72,11 +79,22 @@ impl AmqpPublisher {
             exchange: ShortString::default(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
-            session: tokio::sync::Mutex::new(None),
-        };
+            lanes: Vec::new(),
+            next_lane: Default::default(),
+        }
+        .channels(DEFAULT_CHANNELS);
         let session = publisher.open().await?;
-        *publisher.session.lock().await = Some(session);
+        *publisher.lanes[0].lock().await = Some(session);
         Ok(publisher)
+    }
+
+    /// How many publishes (of different keys) may wait for their confirms at once: one
+    /// connection and channel each, opened when first needed. Default 4; at least 1.
+    pub fn channels(mut self, n: usize) -> Self {
+        let mut lanes = std::mem::take(&mut self.lanes);
+        lanes.resize_with(n.max(1), || tokio::sync::Mutex::new(None));
+        self.lanes = lanes;
+        self
     }
 
     /// Publishes to `exchange` (which must exist), with the row's destination as routing key.
@@ -167,8 +185,14 @@ impl Publisher for AmqpPublisher {
                 message.destination()
             )
         };
-        // One at a time (see the type's docs); the guard also owns the session.
-        let mut session = self.session.lock().await;
+        // One publish per channel at a time (see the type's docs): a free lane, else wait for one.
+        let start = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self.lanes.len();
+        let free = (0..n).find_map(|i| self.lanes[(start + i) % n].try_lock().ok());
+        let mut session = match free {
+            Some(guard) => guard,
+            None => self.lanes[start % n].lock().await,
+        };
         if session.as_ref().is_none_or(|s| !s.channel.status().connected()) {
             *session = None;
             let fresh = self
