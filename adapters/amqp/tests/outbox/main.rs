@@ -629,6 +629,25 @@ async fn unroutable_is_a_failure_and_the_publisher_recovers() {
         .await
         .expect("the next publish reconnects and succeeds");
     assert_eq!(ready(&ch, &q).await, 1);
+
+    // Concurrent publishes over the channels, routable and unroutable mixed: each gets its own
+    // verdict (a return must never be taken for another message's confirm).
+    let p = p.channels(3);
+    let nowhere = unique("no-such-queue");
+    let results = futures::future::join_all((0..24).map(|i| {
+        let m = if i % 2 == 0 {
+            OutboxMessage::new(format!("ok-{i}"), &q, "x")
+        } else {
+            OutboxMessage::new(format!("lost-{i}"), &nowhere, "x")
+        };
+        let p = &p;
+        async move { (i, p.publish(&m).await) }
+    }))
+    .await;
+    for (i, r) in results {
+        assert_eq!(r.is_ok(), i % 2 == 0, "message {i}: {r:?}");
+    }
+    assert_eq!(ready(&ch, &q).await, 1 + 12);
     delete_queues(&ch, &[&q]).await;
 
     let err = AmqpPublisher::connect("amqp://guest:wrong@127.0.0.1:5672/%2f")
