@@ -43,7 +43,12 @@ fn unique(what: &str) -> String {
 
 async fn create_db() -> (PgPool, String) {
     let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-    let name = unique("db").replace('-', "_");
+    // Not `txinbox_outbox_t_*`: the root crate's outbox tests sweep that prefix.
+    let name = format!(
+        "txinbox_amqp_outbox_t_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::SeqCst)
+    );
     let mut conn = admin
         .connect()
         .await
@@ -519,7 +524,9 @@ async fn two_relays_on_one_outbox_publish_every_row_in_key_order() {
     let (pool, db_name) = create_db().await;
     let events_q = unique("events");
     let (_conn, ch) = broker(&[&events_q]).await;
-    let (keys, per_key) = (6, 40);
+    // A few more keys than a round claims (batch 7; 5 on AMQP): both relays find work, and
+    // they contend for the same keys.
+    let (keys, per_key) = (7, 40);
     let write = |from: usize, to: usize| {
         let pool = pool.clone();
         let q = events_q.clone();
