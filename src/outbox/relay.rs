@@ -161,6 +161,9 @@ pub struct RelayRound {
     pub failed: usize,
     /// Rows dead-lettered in this round.
     pub dead_lettered: usize,
+    /// Every publish of the round failed transiently, for at least two rows: taken as the
+    /// broker being unavailable, so no attempt was counted against the rows.
+    pub broker_unavailable: bool,
 }
 
 /// The outbox's backlog, as the gauges report it.
@@ -236,6 +239,14 @@ impl Metrics {
 /// at once; every `poll_interval` it looks anyway (lost notifications, retries coming due).
 /// A database error pauses the relay for `poll_interval` and it tries again; it never gives up
 /// on its own.
+///
+/// # Broker outages
+///
+/// When every publish of a round fails transiently, for at least two rows, the relay takes the
+/// broker as unavailable: no attempt is counted against the rows (an outage must not
+/// dead-letter the head of every key) and rounds are spaced out, doubling from
+/// `poll_interval` up to 30 s, until a publish succeeds. A single failing row, alone in its
+/// round, is counted as usual — so is a row that fails while others succeed.
 ///
 /// # Connections
 ///
@@ -316,6 +327,9 @@ const BACKLOG: &str = "\
 SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
 FROM txinbox.outbox WHERE status = 'pending'";
 
+/// Longest pause between rounds while the broker looks unavailable.
+const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(30);
+
 /// Longest error text stored in `last_error`.
 const MAX_ERROR_LEN: usize = 2000;
 
@@ -347,6 +361,9 @@ impl<P: Publisher> Relay<P> {
             .unwrap_or_else(Instant::now);
         let mut last_purge = far_past;
         let mut last_metrics = far_past;
+        // While the broker looks unavailable, rounds are spaced out (doubling, up to 30 s) and
+        // notifications do not shorten the pause.
+        let mut outage_pause: Option<Duration> = None;
         loop {
             if listener.is_none() {
                 listener = self.listen().await;
@@ -354,8 +371,20 @@ impl<P: Publisher> Relay<P> {
             // Drain: full rounds mean there may be more.
             loop {
                 match self.relay_once().await {
-                    Ok(round) if round.claimed == self.config.batch_size && round.published > 0 => {}
-                    Ok(_) => break,
+                    Ok(round) if round.broker_unavailable => {
+                        let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);
+                        outage_pause = Some(next.min(MAX_OUTAGE_PAUSE.max(self.config.poll_interval)));
+                        break;
+                    }
+                    Ok(round) if round.claimed == self.config.batch_size && round.published > 0 => {
+                        outage_pause = None;
+                    }
+                    Ok(round) => {
+                        if round.published > 0 {
+                            outage_pause = None;
+                        }
+                        break;
+                    }
                     Err(e) => {
                         tracing::warn!(relay = %self.config.name, error = %e, "outbox relay round failed; retrying after the poll interval");
                         break;
@@ -391,6 +420,14 @@ impl<P: Publisher> Relay<P> {
                     None => std::future::pending().await,
                 }
             };
+            if let Some(pause) = outage_pause {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    () = tokio::time::sleep(pause) => {}
+                }
+                continue;
+            }
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
@@ -471,8 +508,27 @@ impl<P: Publisher> Relay<P> {
                 .execute(&mut *tx)
                 .await?;
         }
+        let failures: Vec<&PublishError> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Outcome::Failed(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        // A broker outage is not the rows' fault: it must not burn their attempts (and
+        // dead-letter every key's head after a long outage). One failing row alone is counted.
+        round.broker_unavailable =
+            published.is_empty() && failures.len() >= 2 && failures.iter().all(|e| !e.is_permanent());
+        if round.broker_unavailable {
+            tracing::warn!(relay = %self.config.name, failed = failures.len(), error = %failures[0],
+                "every publish of the round failed; is the broker unavailable? attempts not counted");
+        }
         for (row, outcome) in rows.iter().zip(&outcomes) {
             let Outcome::Failed(e) = outcome else { continue };
+            if round.broker_unavailable {
+                round.failed += 1;
+                continue;
+            }
             let attempt = row.attempts.max(0) as u32 + 1;
             let dead = e.is_permanent() || self.config.retry.exhausted(attempt);
             let delay = self.config.retry.delay(attempt, None);

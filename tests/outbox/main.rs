@@ -616,3 +616,54 @@ async fn a_round_stops_starting_publishes_after_the_publish_timeout() {
         (0..5).map(|i| format!("slow-{i}")).collect::<Vec<_>>()
     );
 }
+
+#[tokio::test]
+async fn a_broker_outage_burns_no_attempts_but_a_lone_failing_row_does() {
+    let pool = test_db().await;
+    for k in ["a", "b", "c"] {
+        outbox::write(&pool, &OutboxMessage::new(format!("{k}-0"), "t", "x").with_key(k))
+            .await
+            .unwrap();
+    }
+    let recorder = Recorder::default();
+    for k in ["a", "b", "c"] {
+        recorder
+            .failing
+            .lock()
+            .unwrap()
+            .insert(format!("{k}-0"), Failure::Times(5));
+    }
+    // One attempt allowed: a counted failure would dead-letter at once.
+    let config = fast_config().retry_policy(RetryPolicy::default().max_attempts(1));
+    let relay = Relay::new(pool.clone(), recorder.clone(), config).unwrap();
+    for _ in 0..5 {
+        let round = relay.relay_once().await.unwrap();
+        assert!(round.broker_unavailable, "{round:?}");
+        assert_eq!((round.failed, round.dead_lettered), (3, 0));
+    }
+    let attempts = scalar_i64(
+        &pool,
+        "SELECT coalesce(sum(attempts), 0)::bigint FROM txinbox.outbox",
+    )
+    .await;
+    assert_eq!(attempts, 0, "an outage counts no attempts");
+    drain(&relay).await;
+    assert_eq!(recorder.ids().len(), 3, "all published once the broker is back");
+
+    // A lone failing row is counted (and here, with one attempt, dead-lettered).
+    outbox::write(&pool, &OutboxMessage::new("poison", "t", "x").with_key("p"))
+        .await
+        .unwrap();
+    recorder
+        .failing
+        .lock()
+        .unwrap()
+        .insert("poison".into(), Failure::Times(u32::MAX));
+    let round = relay.relay_once().await.unwrap();
+    assert!(!round.broker_unavailable);
+    assert_eq!(round.dead_lettered, 1);
+}
+
+async fn scalar_i64(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
