@@ -176,7 +176,7 @@ impl OutboxMessage {
     }
 }
 
-/// Why [`write`] wrote nothing.
+/// Why [`write()`] wrote nothing.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum WriteError {
