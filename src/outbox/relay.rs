@@ -246,12 +246,15 @@ impl Metrics {
 /// broker as unavailable: no attempt is counted against the rows (an outage must not
 /// dead-letter the head of every key) and rounds are spaced out, doubling from
 /// `poll_interval` up to 30 s, until a publish succeeds. A single failing row, alone in its
-/// round, is counted as usual — so is a row that fails while others succeed.
+/// round, is counted as usual — so is a row that fails while others succeed. (Rows of several
+/// keys that all fail for their own reasons, with nothing else pending, look like an outage
+/// too: they wait, uncounted, until other rows are published beside them.)
 ///
 /// # Connections
 ///
 /// A running relay holds two connections of its pool: the listener's, and the round's
-/// transaction (held while publishing, at most `publish_timeout` per row of a key).
+/// transaction (held while publishing: a round starts no publish after `publish_timeout`, and
+/// each publish is bounded by it, so at most about twice that).
 pub struct Relay<P> {
     pool: PgPool,
     publisher: Arc<P>,
