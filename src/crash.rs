@@ -17,6 +17,7 @@
 //! | [`BATCH_OPEN`] | a micro-batch transaction holds several claimed messages, not committed |
 //! | [`AFTER_COMMIT`] | COMMIT succeeded, the broker is not yet acked / the offset not stored |
 //! | [`REBALANCE`] | a Kafka partition revoke is in progress (adapter `txinbox-kafka`) |
+//! | [`RELAY_PUBLISHED`] | the outbox relay's broker confirmed a batch; the rows are not yet marked published |
 
 /// The inbox row is inserted and the transaction open; the handler has not run.
 pub const AFTER_CLAIM: &str = "after_claim";
@@ -28,9 +29,18 @@ pub const BATCH_OPEN: &str = "batch_open";
 pub const AFTER_COMMIT: &str = "after_commit";
 /// A partition revoke is in progress (Kafka adapter).
 pub const REBALANCE: &str = "rebalance";
+/// The outbox relay published a batch and the broker confirmed it; the rows are not yet marked.
+pub const RELAY_PUBLISHED: &str = "relay_published";
 
 /// Every named point, for tools that iterate the matrix.
-pub const POINTS: [&str; 5] = [AFTER_CLAIM, AFTER_HANDLER, BATCH_OPEN, AFTER_COMMIT, REBALANCE];
+pub const POINTS: [&str; 6] = [
+    AFTER_CLAIM,
+    AFTER_HANDLER,
+    BATCH_OPEN,
+    AFTER_COMMIT,
+    REBALANCE,
+    RELAY_PUBLISHED,
+];
 
 /// The environment variable read by builds with feature `crash-points`.
 pub const ENV: &str = "TXINBOX_CRASH_AT";

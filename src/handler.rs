@@ -86,6 +86,27 @@ impl<DB: sqlx::Database> Context<'_, DB> {
     pub fn attempt(&self) -> u32 {
         self.attempt
     }
+
+    /// A downstream message ID derived from this message's ID and `step`
+    /// ([`outbox::derive_id`](crate::outbox::derive_id)): the same on every attempt, so a
+    /// retried handler writes the same outbox rows.
+    #[cfg(feature = "postgres")]
+    pub fn derive_id(&self, step: &str) -> String {
+        crate::outbox::derive_id(self.id.as_str(), step)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Context<'_, sqlx::Postgres> {
+    /// Writes `message` into the outbox in this transaction: it is published only if the
+    /// handler's effects commit. `Ok(false)`: a row with this message ID exists already and
+    /// nothing was written (see [`outbox::write`](crate::outbox::write)).
+    pub async fn outbox(
+        &mut self,
+        message: &crate::outbox::OutboxMessage,
+    ) -> Result<bool, crate::outbox::WriteError> {
+        crate::outbox::write(&mut *self.conn, message).await
+    }
 }
 
 impl<DB: sqlx::Database> fmt::Debug for Context<'_, DB> {

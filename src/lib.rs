@@ -43,6 +43,9 @@
 //! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
 //! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
 //!
+//! With `postgres`, [`outbox`] adds the transactional outbox: rows written with the effects,
+//! published at least once by a [`outbox::Relay`] (Kafka and AMQP publishers in the adapters).
+//!
 //! # Observability
 //!
 //! Each message runs in a `txinbox.process` span carrying OpenTelemetry messaging attributes
@@ -66,6 +69,8 @@ pub mod telemetry;
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "postgres")]
+pub mod outbox;
 
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,

@@ -13,6 +13,11 @@
 //! | `txinbox_handler_duration_seconds` | histogram | time in the handler |
 //! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT |
 //! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
+//! | `txinbox_outbox_pending` | gauge | outbox rows waiting to be published (label `relay`, refreshed by the relay) |
+//! | `txinbox_outbox_oldest_pending_age_seconds` | gauge | age of the oldest pending outbox row, 0 when none (label `relay`) |
+//! | `txinbox_outbox_published_total` | counter | outbox rows published and marked (label `relay`) |
+//! | `txinbox_outbox_publish_failures_total` | counter | publish attempts the broker did not confirm (label `relay`) |
+//! | `txinbox_outbox_dead_letters_total` | counter | outbox rows dead-lettered after bounded attempts or a permanent error (label `relay`) |
 //!
 //! A consumer takes its metric handles from the recorder installed when it is **built**
 //! ([`ConsumerBuilder::build`](crate::ConsumerBuilder::build)), so the per-message path only
@@ -44,6 +49,16 @@ pub const HANDLER_DURATION: &str = "txinbox_handler_duration_seconds";
 pub const COMMIT_DURATION: &str = "txinbox_commit_duration_seconds";
 /// Gauge: deliveries in flight.
 pub const IN_FLIGHT: &str = "txinbox_in_flight";
+/// Gauge: outbox rows waiting to be published.
+pub const OUTBOX_PENDING: &str = "txinbox_outbox_pending";
+/// Gauge: age in seconds of the oldest pending outbox row.
+pub const OUTBOX_OLDEST_PENDING_AGE: &str = "txinbox_outbox_oldest_pending_age_seconds";
+/// Counter: outbox rows published and marked.
+pub const OUTBOX_PUBLISHED: &str = "txinbox_outbox_published_total";
+/// Counter: outbox publish attempts not confirmed by the broker.
+pub const OUTBOX_PUBLISH_FAILURES: &str = "txinbox_outbox_publish_failures_total";
+/// Counter: outbox rows dead-lettered.
+pub const OUTBOX_DEAD_LETTERS: &str = "txinbox_outbox_dead_letters_total";
 
 /// One consumer's metric handles, resolved once when it is built: the per-message path only
 /// increments them (no label allocation, no registry lookup).

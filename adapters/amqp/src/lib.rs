@@ -40,6 +40,14 @@
 //! Dead-lettering publishes with confirms rather than rejecting to a dead-letter exchange: a
 //! classic queue's dead-lettering is at-most-once and cannot add the reason headers.
 //!
+//! # Outbox publisher
+//!
+//! [`AmqpPublisher`] publishes the rows of txinbox's transactional outbox
+//! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: publisher confirms, `mandatory`
+//! (unroutable = not published), persistent, one at a time on one channel; the row's ID as
+//! `message_id` property and [`txinbox::outbox::ID_HEADER`] header, its key as
+//! [`KEY_HEADER`].
+//!
 //! # Message identity
 //!
 //! [`IdStrategy::Native`](txinbox::IdStrategy::Native) (the default) reads the `message_id`
@@ -83,6 +91,7 @@ mod config;
 mod delivery;
 mod error;
 mod headers;
+mod publisher;
 mod source;
 pub mod telemetry;
 
@@ -92,6 +101,7 @@ pub use config::{
 };
 pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
 pub use error::Error;
+pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};
 pub use source::{AmqpMonitor, AmqpSource};
 
 /// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].

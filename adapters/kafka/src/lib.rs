@@ -22,6 +22,11 @@
 //! # }
 //! ```
 //!
+//! [`KafkaPublisher`] publishes the rows of txinbox's transactional outbox
+//! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: idempotent producer, `acks=all`,
+//! `Ok` only on a delivery report, the row's key as the record key (per-key order = partition
+//! order), the message ID in the [`txinbox::outbox::ID_HEADER`] header.
+//!
 //! # What it guarantees
 //!
 //! | situation | what happens |
@@ -43,6 +48,7 @@
 //!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
 
 mod config;
+mod publisher;
 mod source;
 mod tracker;
 
@@ -50,6 +56,7 @@ pub use config::{
     KafkaConfig, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION,
     DEFAULT_REVOKE_TIMEOUT,
 };
+pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::{KafkaDelivery, KafkaSource, PositionStore};
 
 /// Headers added to every dead-letter record (besides the original record's headers).

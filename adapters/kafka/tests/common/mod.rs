@@ -56,9 +56,11 @@ impl TestDb {
             .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
         CLEANED
             .get_or_init(|| async {
-                // Databases left by earlier runs of these tests (a failed test keeps its own).
+                // Databases left by earlier runs of these tests (a failed test keeps its own), and
+                // only those nobody is connected to: another test process may be using its own.
                 let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database WHERE datname LIKE 'txinbox\\_kafka\\_t\\_%' AND datname NOT LIKE $1",
+                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_kafka\\_t\\_%' AND datname NOT LIKE $1
+                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
                 )
                 .bind(format!("txinbox_kafka_t_{}_%", std::process::id()))
                 .fetch_all(&mut admin.connect().await.unwrap())
@@ -67,7 +69,7 @@ impl TestDb {
                 let mut c = admin.connect().await.unwrap();
                 for db in stale {
                     let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
+                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
                         .await;
                 }
             })

@@ -1,0 +1,268 @@
+//! [`AmqpPublisher`]: the outbox relay's way to RabbitMQ.
+
+use std::fmt;
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use txinbox::async_trait;
+use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
+
+use crate::config::redact_uri;
+use crate::error::Error;
+
+/// The header that carries an outbox row's key. A consumer that must apply one key's messages
+/// in order sets [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
+pub const KEY_HEADER: &str = "message-key";
+
+/// Default for [`AmqpPublisher::channels`].
+pub const DEFAULT_CHANNELS: usize = 4;
+
+/// Default for [`AmqpPublisher::publish_timeout`].
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Publishes outbox rows to RabbitMQ for a [`txinbox::outbox::Relay`]: to the configured
+/// exchange (default: the default exchange `""`, so the destination is a queue name), with
+/// the row's destination as routing key, persistent, `mandatory`, and with publisher confirms.
+///
+/// [`publish`](Publisher::publish) returns `Ok` only for a positive confirm of a routed
+/// message: a message the broker returns as unroutable (no queue bound), a negative confirm, a
+/// lost connection or no confirm within [`publish_timeout`](Self::publish_timeout) is an
+/// error (transient: the relay retries it with backoff and dead-letters it after its bounded
+/// attempts).
+///
+/// The message carries its ID as the `message_id` property (the AMQP source's default
+/// [`IdStrategy::Native`](txinbox::IdStrategy::Native)) and as header
+/// [`ID_HEADER`]; its key, if any, as header [`KEY_HEADER`]; then the row's own headers
+/// (UTF-8 values as long strings, others as byte arrays).
+///
+/// Each channel carries one publish at a time: lapin pairs a `basic.return` with whichever
+/// confirm completes next, so with several publishes in flight on a channel an unroutable
+/// message could be taken as confirmed. For throughput the publisher keeps
+/// [`channels`](Self::channels) connections (default 4), each with one channel, used by
+/// concurrent publishes of different keys. Per-key order holds regardless: the relay publishes
+/// a key's next row only after the previous one was confirmed, i.e. is in its queue. After any
+/// failure that connection is dropped and the next publish on it opens a new one.
+pub struct AmqpPublisher {
+    uri: String,
+    exchange: ShortString,
+    publish_timeout: Duration,
+    connect_timeout: Duration,
+    lanes: Vec<tokio::sync::Mutex<Option<Session>>>,
+    next_lane: std::sync::atomic::AtomicUsize,
+}
+
+struct Session {
+    conn: Connection,
+    channel: Channel,
+}
+
+impl fmt::Debug for AmqpPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AmqpPublisher")
+            .field("uri", &redact_uri(&self.uri))
+            .field("exchange", &self.exchange)
+            .field("publish_timeout", &self.publish_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AmqpPublisher {
+    /// Connects to `uri` (`amqp://user:pass@host:port/vhost`) and enables publisher confirms.
+    /// The first connection must succeed, so bad credentials show up at startup; later losses
+    /// are repaired on the next publish. Publishes go to the default exchange until
+    /// [`exchange`](Self::exchange) says otherwise.
+    pub async fn connect(uri: impl Into<String>) -> Result<AmqpPublisher, Error> {
+        let publisher = AmqpPublisher {
+            uri: uri.into(),
+            exchange: ShortString::default(),
+            publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
+            lanes: Vec::new(),
+            next_lane: Default::default(),
+        }
+        .channels(DEFAULT_CHANNELS);
+        let session = publisher.open().await?;
+        *publisher.lanes[0].lock().await = Some(session);
+        Ok(publisher)
+    }
+
+    /// How many publishes (of different keys) may wait for their confirms at once: one
+    /// connection and channel each, opened when first needed. Default 4; at least 1.
+    pub fn channels(mut self, n: usize) -> Self {
+        let mut lanes = std::mem::take(&mut self.lanes);
+        lanes.resize_with(n.max(1), || tokio::sync::Mutex::new(None));
+        self.lanes = lanes;
+        self
+    }
+
+    /// Publishes to `exchange` (which must exist), with the row's destination as routing key.
+    pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.exchange = ShortString::from(exchange.into());
+        self
+    }
+
+    /// Longest wait for a publish and its confirm. Default 10 s; keep it below the relay's
+    /// `publish_timeout` (default 20 s).
+    pub fn publish_timeout(mut self, d: Duration) -> Self {
+        self.publish_timeout = d;
+        self
+    }
+
+    async fn open(&self) -> Result<Session, Error> {
+        let broker = |context: &str, e: Box<dyn std::error::Error + Send + Sync>| Error::Broker {
+            context: context.into(),
+            fatal: false,
+            source: e,
+        };
+        let props = ConnectionProperties::default()
+            .with_connection_name(format!("txinbox-outbox-{}", std::process::id()).into());
+        let setup = async {
+            let conn = Connection::connect(&self.uri, props)
+                .await
+                .map_err(|e| broker("connect", e.into()))?;
+            let channel = conn
+                .create_channel()
+                .await
+                .map_err(|e| broker("channel.open", e.into()))?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| broker("confirm.select", e.into()))?;
+            Ok::<_, Error>(Session { conn, channel })
+        };
+        match tokio::time::timeout(self.connect_timeout, setup).await {
+            Ok(r) => r,
+            Err(_) => Err(broker(
+                "connect",
+                format!(
+                    "no connection to {} within {:?}",
+                    redact_uri(&self.uri),
+                    self.connect_timeout
+                )
+                .into(),
+            )),
+        }
+    }
+
+    fn properties(message: &OutboxMessage) -> BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ID_HEADER.into(),
+            AMQPValue::LongString(LongString::from(message.message_id())),
+        );
+        if let Some(key) = message.key() {
+            headers.insert(KEY_HEADER.into(), value(key));
+        }
+        for (name, v) in message.headers().iter() {
+            if name != ID_HEADER && name != KEY_HEADER {
+                headers.insert(name.into(), value(v));
+            }
+        }
+        BasicProperties::default()
+            .with_message_id(message.message_id().into())
+            .with_delivery_mode(2)
+            .with_headers(headers)
+    }
+}
+
+fn value(bytes: &[u8]) -> AMQPValue {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => AMQPValue::LongString(LongString::from(s)),
+        Err(_) => AMQPValue::ByteArray(ByteArray::from(bytes.to_vec())),
+    }
+}
+
+#[async_trait]
+impl Publisher for AmqpPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let what = || {
+            format!(
+                "{} to exchange {:?} routing key {}",
+                message.message_id(),
+                self.exchange.as_str(),
+                message.destination()
+            )
+        };
+        // One publish per channel at a time (see the type's docs): a free lane, else wait for one.
+        let start = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = self.lanes.len();
+        let free = (0..n).find_map(|i| self.lanes[(start + i) % n].try_lock().ok());
+        let mut session = match free {
+            Some(guard) => guard,
+            None => self.lanes[start % n].lock().await,
+        };
+        if session.as_ref().is_none_or(|s| !s.channel.status().connected()) {
+            *session = None;
+            let fresh = self
+                .open()
+                .await
+                .map_err(|e| PublishError::transient(format!("publishing {}: {e}", what())))?;
+            *session = Some(fresh);
+        }
+        let channel = session
+            .as_ref()
+            .map(|s| s.channel.clone())
+            .expect("session set above");
+        let publish = async {
+            let confirm = channel
+                .basic_publish(
+                    self.exchange.clone(),
+                    message.destination().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    message.payload(),
+                    Self::properties(message),
+                )
+                .await?;
+            confirm.await
+        };
+        let failure = match tokio::time::timeout(self.publish_timeout, publish).await {
+            Ok(Ok(Confirmation::Ack(None))) => return Ok(()),
+            Ok(Ok(Confirmation::Ack(Some(returned)))) => format!(
+                "returned as unroutable ({} {}); is a queue bound for this routing key?",
+                returned.reply_code, returned.reply_text
+            ),
+            Ok(Ok(Confirmation::Nack(_))) => "negatively confirmed by the broker".to_string(),
+            Ok(Ok(Confirmation::NotRequested)) => "publisher confirms are off".to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no confirm within {:?} (publish_timeout)", self.publish_timeout),
+        };
+        // The channel's state is uncertain now (a late confirm or return could be paired with
+        // the next publish): start over with a fresh connection.
+        if let Some(old) = session.take() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                old.conn.close(200, "publish failed".into()),
+            )
+            .await;
+        }
+        Err(PublishError::transient(format!(
+            "publishing {}: {failure}",
+            what()
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use txinbox::Headers;
+
+    #[test]
+    fn id_and_key_travel_as_property_and_headers() {
+        let m = OutboxMessage::new("id-1", "q", "p")
+            .with_key("k")
+            .with_headers(Headers::new().with("raw", &b"\xff"[..]).with(ID_HEADER, "forged"));
+        let p = AmqpPublisher::properties(&m);
+        assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some("id-1"));
+        assert_eq!(p.delivery_mode(), &Some(2));
+        let headers = crate::headers::to_headers(p.headers().as_ref());
+        assert_eq!(headers.get_str(ID_HEADER), Some("id-1"), "the row's ID wins");
+        assert_eq!(headers.get_str(KEY_HEADER), Some("k"));
+        assert_eq!(headers.get("raw"), Some(&b"\xff"[..]));
+    }
+}

@@ -1,0 +1,217 @@
+//! [`KafkaPublisher`]: the outbox relay's way to Kafka.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use txinbox::async_trait;
+use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
+
+/// Default for [`KafkaPublisher::delivery_timeout`].
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Properties the publisher owns; a pass-through value for them is refused.
+const OWNED: &[(&str, &str)] = &[
+    ("bootstrap.servers", "pass the brokers to KafkaPublisher::new"),
+    (
+        "enable.idempotence",
+        "the outbox relay needs an idempotent producer so retries inside librdkafka neither duplicate nor reorder a key",
+    ),
+    ("acks", "a message counts as published only once all in-sync replicas have it (acks=all)"),
+    ("message.timeout.ms", "use KafkaPublisher::delivery_timeout"),
+];
+
+/// Publishes outbox rows to Kafka for a [`txinbox::outbox::Relay`]: the row's destination is
+/// the topic, its key the record key (so the partitioner keeps one key on one partition, and
+/// the relay's per-key order is the partition's order), its message ID the record header
+/// [`ID_HEADER`] (the row's own headers follow).
+///
+/// The producer is idempotent with `acks=all`; [`publish`](Publisher::publish) returns `Ok`
+/// only on a successful delivery report. Errors that no retry fixes (record too large, invalid
+/// record, topic authorization) are permanent: the relay dead-letters the row. Everything else
+/// (broker down, unknown topic, timeout) is transient.
+///
+/// Dropping the publisher flushes and joins librdkafka's threads: drop it off the async
+/// runtime (or after the relay stopped). Unconfirmed messages are no loss: their rows stay
+/// pending.
+pub struct KafkaPublisher {
+    producer: FutureProducer,
+    delivery_timeout: Duration,
+}
+
+impl fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("delivery_timeout", &self.delivery_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`KafkaPublisher`].
+#[derive(Debug, Clone)]
+pub struct KafkaPublisherBuilder {
+    brokers: String,
+    delivery_timeout: Duration,
+    properties: BTreeMap<String, String>,
+}
+
+impl KafkaPublisher {
+    /// A publisher to `brokers` (`host:port[,host:port]`).
+    pub fn builder(brokers: impl Into<String>) -> KafkaPublisherBuilder {
+        KafkaPublisherBuilder {
+            brokers: brokers.into(),
+            delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
+            properties: BTreeMap::new(),
+        }
+    }
+
+    /// The longest wait for one delivery report (`message.timeout.ms`).
+    pub fn delivery_timeout(&self) -> Duration {
+        self.delivery_timeout
+    }
+}
+
+impl KafkaPublisherBuilder {
+    /// Longest wait for a delivery report (`message.timeout.ms`, including librdkafka's own
+    /// retries). Default 15 s; keep it below the relay's `publish_timeout` (default 20 s).
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = d;
+        self
+    }
+
+    /// Sets a librdkafka producer property (security, `linger.ms`, `compression.type`, …).
+    /// `enable.idempotence`, `acks`, `message.timeout.ms` and `bootstrap.servers` are owned by
+    /// the publisher and refused.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(key.into(), value.into());
+        self
+    }
+
+    /// Validates the settings and creates the producer (it connects in the background).
+    pub fn build(self) -> Result<KafkaPublisher, txinbox::Error> {
+        if self.brokers.trim().is_empty() {
+            return Err(txinbox::Error::Config(
+                "KafkaPublisher: brokers is empty; pass host:port of at least one broker".into(),
+            ));
+        }
+        if self.delivery_timeout < Duration::from_millis(1) {
+            return Err(txinbox::Error::Config(
+                "KafkaPublisher: delivery_timeout must be at least 1 ms".into(),
+            ));
+        }
+        for (key, why) in OWNED {
+            if let Some(v) = self.properties.get(*key) {
+                return Err(txinbox::Error::Config(format!(
+                    "KafkaPublisher: property {key}={v} cannot be set: {why}"
+                )));
+            }
+        }
+        let mut c = rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "2")
+            .set(
+                "message.timeout.ms",
+                self.delivery_timeout.as_millis().to_string(),
+            );
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        let producer: FutureProducer = c.create().map_err(|e| {
+            txinbox::Error::Config(format!("KafkaPublisher: creating the producer failed: {e}"))
+        })?;
+        Ok(KafkaPublisher {
+            producer,
+            delivery_timeout: self.delivery_timeout,
+        })
+    }
+}
+
+fn permanent(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::MessageSizeTooLarge
+            | C::InvalidMessageSize
+            | C::InvalidRecord
+            | C::TopicAuthorizationFailed
+            | C::InvalidTopic
+            | C::InvalidRequiredAcks
+    )
+}
+
+fn classify(e: KafkaError, message: &OutboxMessage) -> PublishError {
+    let text = format!(
+        "publishing {} to Kafka topic {} failed: {e}",
+        message.message_id(),
+        message.destination()
+    );
+    match e.rdkafka_error_code() {
+        Some(code) if permanent(code) => PublishError::permanent(text),
+        _ => PublishError::transient(text),
+    }
+}
+
+#[async_trait]
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers().len() + 1).insert(Header {
+            key: ID_HEADER,
+            value: Some(message.message_id()),
+        });
+        for (name, value) in message.headers().iter().filter(|(n, _)| *n != ID_HEADER) {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value),
+            });
+        }
+        let mut record = FutureRecord::to(message.destination())
+            .payload(message.payload().as_ref())
+            .headers(headers);
+        if let Some(key) = message.key() {
+            record = record.key(key.as_ref());
+        }
+        // Waits while the local queue is full, then for the delivery report; bounded by
+        // message.timeout.ms (and the relay's own publish_timeout).
+        match self.producer.send(record, self.delivery_timeout).await {
+            Ok(_) => Ok(()),
+            Err((e, _)) => Err(classify(e, message)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owned_properties_are_refused_with_a_reason() {
+        for (k, v) in [
+            ("acks", "1"),
+            ("enable.idempotence", "false"),
+            ("message.timeout.ms", "5"),
+        ] {
+            let err = KafkaPublisher::builder("127.0.0.1:9092")
+                .set(k, v)
+                .build()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(k), "{err}");
+        }
+        let err = KafkaPublisher::builder(" ").build().unwrap_err().to_string();
+        assert!(err.contains("brokers"), "{err}");
+    }
+
+    #[test]
+    fn too_large_is_permanent_and_broker_trouble_transient() {
+        let m = OutboxMessage::new("id", "t", "p");
+        let produce = |c| KafkaError::MessageProduction(c);
+        assert!(classify(produce(RDKafkaErrorCode::MessageSizeTooLarge), &m).is_permanent());
+        assert!(!classify(produce(RDKafkaErrorCode::MessageTimedOut), &m).is_permanent());
+        assert!(!classify(produce(RDKafkaErrorCode::UnknownTopicOrPartition), &m).is_permanent());
+    }
+}
