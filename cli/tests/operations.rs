@@ -760,3 +760,131 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
     assert_eq!(dry["partitions"][0]["start"], 5, "{dry:#}");
     assert_eq!(dry["new"], 5, "{dry:#}");
 }
+
+/// Purge keeps the inbox row of a record the consumer will read again: a dead letter at the
+/// stored position (a dead letter does not move it) is recognised after a restart, not handled
+/// again, even though its cause was fixed meanwhile (only a requeue may apply it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn purge_keeps_the_row_of_a_dead_letter_a_restart_reads_again() {
+    let Some(brokers) = brokers() else { return };
+    let db = TestDb::new().await;
+    let topic = create_topic(&brokers, 1).await;
+    let consumer = consumer_name();
+    db.exec("INSERT INTO blocked VALUES ('acct-bad')").await;
+    let producer = Producer::new(&brokers);
+    producer.send(&topic, 0, "k-1", &deposit("acct-ok", 5)).await;
+    producer.send(&topic, 0, "k-2", &deposit("acct-bad", 7)).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    db.wait_for("SELECT count(*) FROM txinbox.dead_letters", 1, WAIT)
+        .await;
+    running.stop().await;
+    assert_eq!(
+        db.position(&consumer, &topic, 0).await,
+        Some(1),
+        "the dead letter at offset 1 did not move the position"
+    );
+
+    let purged = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--older-than", "0s"],
+    )
+    .await
+    .ok();
+
+    db.exec("DELETE FROM blocked").await;
+    producer.send(&topic, 0, "k-3", &deposit("acct-ok", 1)).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    db.wait_for(
+        &format!("SELECT next_position FROM txinbox.positions WHERE consumer = '{consumer}'"),
+        3,
+        WAIT,
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE message_id = 'k-2'")
+            .await,
+        0,
+        "the dead-lettered record read again is not handled again"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
+    assert_eq!(purged["consumers"][0]["deleted"], 1, "only k-1's row: {purged:#}");
+}
+
+/// Purge keeps rows of records at or after the stored position (here: after a replay moved it
+/// back), so the replayed records stay duplicates; rows before it, and rows without a
+/// partition, go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_keeps_rows_at_or_after_the_stored_position() {
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    db.exec(&format!(
+        "INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts,
+                                    first_seen_at, processed_at, source_system, destination,
+                                    source_partition, source_offset)
+         SELECT '{consumer}', 'm-' || i, 'cloudevents', sha256(i::text::bytea), 'processed', 1,
+                now() - interval '30 days', now() - interval '30 days', 'kafka', 't',
+                CASE WHEN i < 100 THEN 0 END, i % 100
+         FROM generate_series(0, 109) i;
+         INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+         VALUES ('{consumer}', 't', '0', 60), ('{consumer}', 'other', '0', 0);"
+    ))
+    .await;
+    let dry = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--dry-run"],
+    )
+    .await
+    .ok();
+    assert_eq!(dry["consumers"][0]["candidates"], 70, "{dry:#}");
+    let purged = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--batch-size", "7"],
+    )
+    .await
+    .ok();
+    assert_eq!(purged["consumers"][0]["deleted"], 70, "{purged:#}");
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}' AND source_offset >= 60 AND source_partition = 0"
+        ))
+        .await,
+        40,
+        "offsets 60..99 of partition 0 are read again from position 60"
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}'"
+        ))
+        .await,
+        40
+    );
+}
+
+/// A replay writes its positions only if the retention horizon is still the one it checked
+/// the range against: a purge that moved it in between makes the replay change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_positions_are_not_set_when_a_purge_moved_the_horizon_meanwhile() {
+    use txinbox::ops::{replay, retention, Timestamp};
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    let lanes = [("0".to_owned(), 0)];
+    // The replay checked its range: no horizon yet. Then a purge records one.
+    retention::record_horizon(&db.pool, &consumer, Timestamp(1_000))
+        .await
+        .unwrap();
+    assert!(!replay::set_positions(&db.pool, &consumer, "t", &lanes, None)
+        .await
+        .unwrap());
+    assert_eq!(db.position(&consumer, "t", 0).await, None, "nothing set");
+    // Checked against the current horizon: set.
+    let h = retention::horizon(&db.pool, &consumer).await.unwrap();
+    assert_eq!(h, Some(Timestamp(1_000)));
+    assert!(replay::set_positions(&db.pool, &consumer, "t", &lanes, h)
+        .await
+        .unwrap());
+    assert_eq!(db.position(&consumer, "t", 0).await, Some(0));
+}

@@ -133,9 +133,14 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     }
 
     let positions: Vec<(String, i64)> = plans.iter().map(|p| (p.partition.to_string(), p.start)).collect();
-    replay::set_positions(&pool, &a.consumer, topic, &positions)
+    let set = replay::set_positions(&pool, &a.consumer, topic, &positions, horizon)
         .await
         .map_err(db("setting the database positions"))?;
+    if !set {
+        return Err(CliError::failed(
+            "a purge moved the retention horizon while replay was checking the range; nothing was changed: run the replay again (it checks the range against the new horizon)",
+        ));
+    }
     let offsets: Vec<(i32, i64)> = plans.iter().map(|p| (p.partition, p.start)).collect();
     let committed = if members.is_empty() {
         tokio::task::block_in_place(|| kafka.commit(&group, topic, &offsets))
@@ -156,6 +161,14 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             );
             report["group_commit_error"] = json!(e);
         }
+    }
+    if !members.is_empty() {
+        let warning = format!(
+            "the group has {} active member(s): a consumer that holds a partition keeps its own position and overwrites the database position with its next message, so the replay takes effect only for partitions it is assigned afresh; restart the consumers to apply it everywhere",
+            members.len()
+        );
+        let _ = writeln!(text, "warning: {warning}");
+        report["warning"] = json!(warning);
     }
     let _ = writeln!(
         text,
