@@ -105,20 +105,24 @@ pub async fn record_horizon(pool: &PgPool, consumer: &str, cutoff: Timestamp) ->
     tx.commit().await
 }
 
-/// Deletes up to `batch` terminal rows of `consumer` that became terminal before `cutoff`, in
-/// one statement. Returns how many were deleted; 0 means done.
+/// Deletes up to `batch` rows of `consumer` that a purge with `cutoff` may delete (see the
+/// [module docs](self)), in one statement. Returns how many were deleted; 0 means done.
 pub async fn delete_batch(
     pool: &PgPool,
     consumer: &str,
     cutoff: Timestamp,
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
-    // The outer WHERE re-checks the condition: a row that changed since the subselect read it
+    // The batch is picked oldest first along inbox_processed_at_idx and deleted through the
+    // primary key (an array, not a join, so the cost follows the batch, not the table). The
+    // outer WHERE re-checks the condition: a row that changed since the subselect read it
     // (e.g. reopened by a requeue) is skipped.
     let sql = format!(
         "DELETE FROM txinbox.inbox i
-         USING (SELECT message_id FROM txinbox.inbox i WHERE {PURGEABLE} LIMIT $3) old
-         WHERE i.message_id = old.message_id AND {PURGEABLE}"
+         WHERE i.message_id = ANY(ARRAY(
+                   SELECT i.message_id FROM txinbox.inbox i WHERE {PURGEABLE}
+                   ORDER BY i.processed_at LIMIT $3))
+           AND {PURGEABLE}"
     );
     let done = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(consumer)
