@@ -57,9 +57,10 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     if let Some(h) = horizon {
         for p in plans.iter().filter(|p| p.start < p.high) {
             let mut first = None;
-            tokio::task::block_in_place(|| {
-                kafka.read_range(topic, p.partition, p.start, p.start + 1, |r| {
-                    first = Some(r.timestamp)
+            let next = tokio::task::block_in_place(|| {
+                kafka.read_range(topic, p.partition, p.start, p.high, |r| {
+                    first = Some(r.timestamp);
+                    false
                 })
             })?;
             match first {
@@ -68,7 +69,14 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
                     "partition": p.partition, "offset": p.start,
                     "record_timestamp": ts.map(|t| Timestamp(t).to_string()),
                 })),
-                None => {}
+                // The range holds no record (only markers): nothing to re-apply.
+                None if next >= p.high => {}
+                None => {
+                    return Err(CliError::failed(format!(
+                        "could not read the first record of {topic}/{} at offset {} within 10 s, so the range cannot be checked against the retention horizon; try again",
+                        p.partition, p.start
+                    )))
+                }
             }
         }
     }
@@ -252,14 +260,22 @@ async fn dry_run(
     for p in plans {
         // Only the ID and fingerprint of each record are kept, not the records.
         let mut derived_all: Vec<(Option<String>, [u8; 32])> = Vec::new();
-        tokio::task::block_in_place(|| {
+        let next = tokio::task::block_in_place(|| {
             kafka.read_range(&a.topic, p.partition, p.start, p.high, |r| {
                 bar.inc(1);
                 let m = message(&a.topic, p.partition, &r);
                 let id = a.id_strategy.derive(&m).ok().map(|id| id.as_str().to_owned());
                 derived_all.push((id, a.fingerprint.of(&m)));
+                true
             })
         })?;
+        if next < p.high {
+            bar.finish_and_clear();
+            return Err(CliError::failed(format!(
+                "reading {}/{} stopped at offset {next} of {}..{}: nothing arrived for 10 s, so the dry run would undercount; try again",
+                a.topic, p.partition, p.start, p.high
+            )));
+        }
         for chunk in derived_all.chunks(1000) {
             let derived = chunk.to_vec();
             let ids: Vec<String> = derived.iter().filter_map(|(id, _)| id.clone()).collect();
