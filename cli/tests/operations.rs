@@ -390,6 +390,21 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
 
     // Fix the cause, then requeue: applied once.
     db.exec("DELETE FROM blocked").await;
+    // Not while another consumer of the topic would take the copy for a new message.
+    db.exec(&format!(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ('audit-{consumer}', '{topic}', '0', 2)"
+    ))
+    .await;
+    let refused = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", &id]).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains(&format!("audit-{consumer}")),
+        "{refused:?}"
+    );
+    db.exec(&format!(
+        "DELETE FROM txinbox.positions WHERE consumer = 'audit-{consumer}'"
+    ))
+    .await;
     let first = txinbox(
         &db.url,
         Some(&brokers),
@@ -516,6 +531,44 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
     let missing = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", "999999"]).await;
     assert_eq!(missing.code, 1, "{missing:?}");
     assert!(missing.stderr.contains("no such dead letter"), "{missing:?}");
+
+    // A batch that meets an unreachable service stops there, reporting what it did requeue.
+    db.exec(&format!(
+        "INSERT INTO txinbox.dead_letters (consumer, message_id, id_strategy, fingerprint, reason, error,
+                                           attempts, payload, headers, source_system, destination)
+         VALUES ('{consumer}', 'r-1', 'cloudevents', sha256('x'::bytea), 'permanent_error', 'x', 1,
+                 'x', '[]', 'rabbitmq', 'q-{consumer}')"
+    ))
+    .await;
+    let rabbit = db
+        .scalar("SELECT id FROM txinbox.dead_letters WHERE source_system = 'rabbitmq'")
+        .await
+        .to_string();
+    let partial = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "--json",
+            "--amqp-url",
+            "amqp://guest:sekret@127.0.0.1:1/%2f",
+            "dead-letters",
+            "requeue",
+            "--force",
+            &id,
+            &rabbit,
+            &id,
+        ],
+    )
+    .await;
+    assert_eq!(partial.code, 3, "{partial:?}");
+    let results = partial.json()["results"].clone();
+    assert_eq!(results[0]["requeued"], true, "{partial:?}");
+    assert_eq!(results[1]["requeued"], false, "{partial:?}");
+    assert_eq!(results[2]["error"], "not attempted", "{partial:?}");
+    assert!(
+        !partial.stdout.contains("sekret") && !partial.stderr.contains("sekret"),
+        "{partial:?}"
+    );
 }
 
 /// Replay refuses a range that starts before the retention horizon (purged IDs would be

@@ -103,17 +103,29 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             let mut text = String::new();
             let mut code = exit::OK;
             let mut services = Publishers::default();
-            for id in ids {
+            for (i, &id) in ids.iter().enumerate() {
                 match requeue(env, &pool, &mut services, id, force).await {
                     Ok((json, line)) => {
                         out.push(json);
                         text.push_str(&line);
                     }
-                    Err(e @ CliError::Unreachable { .. }) | Err(e @ CliError::BadArgs(_)) => return Err(e),
-                    Err(CliError::Failed(e)) => {
+                    Err(e @ CliError::Failed(_)) => {
                         code = exit::FAILED;
                         let _ = writeln!(text, "dead letter {id} not requeued: {e}");
-                        out.push(json!({ "id": id, "requeued": false, "error": e }));
+                        out.push(json!({ "id": id, "requeued": false, "error": e.to_string() }));
+                    }
+                    // A missing service or argument fails every other requeue the same way: stop,
+                    // but report what was already requeued.
+                    Err(e) if i == 0 => return Err(e),
+                    Err(e) => {
+                        code = e.exit_code();
+                        let _ = writeln!(text, "dead letter {id} not requeued: {e}");
+                        out.push(json!({ "id": id, "requeued": false, "error": e.to_string() }));
+                        for id in &ids[i + 1..] {
+                            let _ = writeln!(text, "dead letter {id} not attempted");
+                            out.push(json!({ "id": id, "requeued": false, "error": "not attempted" }));
+                        }
+                        break;
                     }
                 }
             }
@@ -186,6 +198,17 @@ async fn requeue(
     // sees the reopened row.
     let (partition, offset) = match r.source_system.as_str() {
         "kafka" => {
+            let message_id = r.message_id.as_deref().unwrap_or_default();
+            let others = dead_letters::readers_without_row(pool, &r.consumer, &r.destination, message_id)
+                .await
+                .map_err(db("looking for other consumers of the topic"))?;
+            if !others.is_empty() && !force {
+                return Err(CliError::failed(format!(
+                    "other consumers also read {} and their inbox holds no row for message {message_id}: {}. The copy reaches them too and they would take it for a new message (applying it again if they processed the original under another ID or purged its row); pass --force if that is intended",
+                    r.destination,
+                    others.join(", ")
+                )));
+            }
             if services.kafka.is_none() {
                 let k = env.kafka("requeueing a Kafka dead letter")?;
                 let producer = k.producer()?;
