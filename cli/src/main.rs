@@ -119,7 +119,8 @@ struct ReplayArgs {
     /// Report what the consumer would do with the records in the range; change nothing.
     #[arg(long)]
     dry_run: bool,
-    /// Replay even before the retention horizon or while the group has active members.
+    /// Replay even before the retention horizon, past records the consumer has not reached
+    /// yet (skipping them), or while the group has active members.
     #[arg(long)]
     force: bool,
 }

@@ -812,6 +812,35 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
     .ok();
     assert_eq!(dry["partitions"][0]["start"], 5, "{dry:#}");
     assert_eq!(dry["new"], 5, "{dry:#}");
+
+    // A consumer that resumes at offset 2 would skip 2..5: refused unless --force.
+    db.exec(&format!(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ('{consumer}', '{topic}', '0', 2)"
+    ))
+    .await;
+    let args = [
+        "--json",
+        "replay",
+        "--consumer",
+        &consumer,
+        "--topic",
+        &topic,
+        "--to-timestamp",
+        &between,
+    ];
+    let refused = txinbox(&db.url, Some(&brokers), &args).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("offsets 2..5"), "{refused:?}");
+    assert_eq!(
+        db.position(&consumer, &topic, 0).await,
+        Some(2),
+        "nothing changed"
+    );
+    let forced = txinbox(&db.url, Some(&brokers), &[&args[..], &["--force"]].concat())
+        .await
+        .ok();
+    assert_eq!(forced["database_positions_set"], true, "{forced:#}");
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(5));
 }
 
 /// Purge keeps the inbox row of a record the consumer will read again: a dead letter at the

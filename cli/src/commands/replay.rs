@@ -109,6 +109,21 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             horizon.map(|h| h.to_string()).unwrap_or_default()
         )
     });
+    // Moving forward past where the consumer resumes skips records it may never have processed.
+    let skipped: Vec<String> = plans
+        .iter()
+        .filter_map(|p| {
+            let resume = p.database_position.or(p.group_offset)?;
+            (p.start > resume).then(|| format!("partition {} offsets {resume}..{}", p.partition, p.start))
+        })
+        .collect();
+    let skip_refusal = (!skipped.is_empty()).then(|| {
+        format!(
+            "the start is after where the consumer resumes ({}): those records would never reach the consumer, and any it has not processed yet would be lost: choose an earlier start, or pass --force to skip them",
+            skipped.join(", ")
+        )
+    });
+    let refusals: Vec<String> = [horizon_refusal, skip_refusal].into_iter().flatten().collect();
 
     if a.dry_run {
         let counts = dry_run(env, &pool, &kafka, &a, &plans).await?;
@@ -121,15 +136,17 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             "{total} records in the range: {} already applied (would be skipped), {} new, {} conflicting, {} dead-lettered, {} retrying, {} without an ID",
             counts["applied"], counts["new"], counts["conflicting"], counts["dead_lettered"], counts["retrying"], counts["missing_id"]
         );
-        if let Some(r) = &horizon_refusal {
+        for r in &refusals {
             let _ = writeln!(text, "warning: {r}");
-            report["warning"] = json!(r);
+        }
+        if !refusals.is_empty() {
+            report["warning"] = json!(refusals.join("; "));
         }
         return Ok(Report::ok(report, text));
     }
 
-    if let Some(r) = horizon_refusal.filter(|_| !a.force) {
-        return Err(CliError::Failed(r));
+    if !refusals.is_empty() && !a.force {
+        return Err(CliError::Failed(refusals.join("; ")));
     }
     let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
     if !members.is_empty() && !a.force {
