@@ -75,6 +75,26 @@ async fn replay_of_fully_processed_partition_applies_nothing() {
         Some(30),
         "a dry run changes nothing"
     );
+    // With an ID strategy the consumer does not use, the dry run would call everything new.
+    let wrong = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "replay",
+            "--consumer",
+            &consumer,
+            "--topic",
+            &topic,
+            "--to-offset",
+            "0",
+            "--dry-run",
+            "--id-strategy",
+            "sha256",
+        ],
+    )
+    .await;
+    assert_eq!(wrong.code, 2, "{wrong:?}");
+    assert!(wrong.stderr.contains("--id-strategy cloudevents"), "{wrong:?}");
 
     let replay = txinbox(
         &db.url,

@@ -65,6 +65,26 @@ pub struct InboxRow {
     pub fingerprint: Vec<u8>,
 }
 
+/// Checks that `strategy` (an [`IdStrategy::label`](crate::IdStrategy::label)) is what
+/// `consumer` derives IDs with: `None` if one of its inbox rows carries that label or it has no
+/// rows; otherwise `Some` label its rows do carry. A dry run with another strategy compares IDs
+/// the consumer never stored.
+pub async fn other_strategy(
+    pool: &PgPool,
+    consumer: &str,
+    strategy: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    let (matching, any): (Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 AND id_strategy = $2 LIMIT 1),
+                (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 LIMIT 1)",
+    )
+    .bind(consumer)
+    .bind(strategy)
+    .fetch_one(pool)
+    .await?;
+    Ok(if matching.is_some() { None } else { any })
+}
+
 /// The inbox rows of `consumer` for `ids`, by ID (IDs without a row are absent).
 pub async fn lookup(
     pool: &PgPool,

@@ -193,6 +193,8 @@ async fn requeue(
         .iter()
         .map(|(k, v)| (k.to_owned(), v.to_vec()))
         .collect();
+    // A copy of a copy names only this dead letter.
+    headers.retain(|(k, _)| k != REQUEUED_FROM);
     headers.push((REQUEUED_FROM.into(), id.to_string().into_bytes()));
     // The inbox row stays locked until commit: a consumer receiving the copy first waits, then
     // sees the reopened row.

@@ -258,6 +258,16 @@ async fn dry_run(
     a: &ReplayArgs,
     plans: &[Plan],
 ) -> Result<std::collections::BTreeMap<String, u64>, CliError> {
+    let label = a.id_strategy.label();
+    if let Some(stored) = replay::other_strategy(pool, &a.consumer, &label)
+        .await
+        .map_err(db("checking the ID strategy"))?
+    {
+        return Err(CliError::BadArgs(format!(
+            "--id-strategy {label} is not what consumer {} uses: its inbox rows carry IDs from `{stored}`, so every record would look new; pass the consumer's strategy (e.g. --id-strategy {stored})",
+            a.consumer
+        )));
+    }
     let mut counts: std::collections::BTreeMap<String, u64> = [
         Verdict::New,
         Verdict::Applied,
