@@ -589,6 +589,24 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
         !partial.stdout.contains("sekret") && !partial.stderr.contains("sekret"),
         "{partial:?}"
     );
+    // A RabbitMQ URL that does not parse is a bad argument, and is not echoed.
+    let bad_url = txinbox(
+        &db.url,
+        None,
+        &[
+            "--amqp-url",
+            "amqp:guest:sekret@127.0.0.1",
+            "dead-letters",
+            "requeue",
+            &rabbit,
+        ],
+    )
+    .await;
+    assert_eq!(bad_url.code, 2, "{bad_url:?}");
+    assert!(
+        !bad_url.stdout.contains("sekret") && !bad_url.stderr.contains("sekret"),
+        "{bad_url:?}"
+    );
 }
 
 /// Replay refuses a range that starts before the retention horizon (purged IDs would be
