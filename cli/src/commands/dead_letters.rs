@@ -141,6 +141,9 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
     }
 }
 
+/// What a failed publish leaves behind. A timed-out publish may still have delivered the copy.
+const NOT_RECORDED: &str = "the requeue is not recorded and the inbox row is unchanged, so a copy that reached the broker anyway is deduplicated against it (a dead-lettered row sends it to the dead letters again): requeue it again";
+
 /// Broker connections opened on first use, shared by the requeues of one run.
 #[derive(Default)]
 struct Publishers {
@@ -219,7 +222,7 @@ async fn requeue(
             let (_, producer) = services.kafka.as_ref().expect("connected above");
             let (p, o) = kafka::produce(producer, &r.destination, r.source_partition, &r.payload, &headers)
                 .await
-                .map_err(|e| CliError::failed(format!("publishing to {} failed ({e}); nothing changed", r.destination)))?;
+                .map_err(|e| CliError::failed(format!("publishing to {} failed ({e}); {NOT_RECORDED}", r.destination)))?;
             (Some(p), Some(o))
         }
         "rabbitmq" => {
@@ -231,7 +234,7 @@ async fn requeue(
             let native = (r.id_strategy.as_deref() == Some("native")).then_some(r.message_id.as_deref()).flatten();
             amqp.publish(&r.destination, &r.payload, &headers, native)
                 .await
-                .map_err(|e| CliError::failed(format!("publishing to queue {} failed ({e}); nothing changed", r.destination)))?;
+                .map_err(|e| CliError::failed(format!("publishing to queue {} failed ({e}); {NOT_RECORDED}", r.destination)))?;
             (None, None)
         }
         other => {
