@@ -31,6 +31,30 @@ async fn duplicates(db: &TestDb, consumer: &str) -> i64 {
     .await
 }
 
+/// Runs `txinbox args` and asserts a refusal: exit 1, `why` on stderr, the stored position of
+/// `consumer` in `topic`/0 unchanged. Then runs it with `--force` and returns the JSON report.
+async fn refused_unless_forced(
+    db: &TestDb,
+    brokers: &str,
+    args: &[&str],
+    why: &str,
+    consumer: &str,
+    topic: &str,
+) -> serde_json::Value {
+    let before = db.position(consumer, topic, 0).await;
+    let refused = txinbox(&db.url, Some(brokers), args).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains(why), "{refused:?}");
+    assert_eq!(
+        db.position(consumer, topic, 0).await,
+        before,
+        "a refusal changes nothing"
+    );
+    txinbox(&db.url, Some(brokers), &[args, &["--force"]].concat())
+        .await
+        .ok()
+}
+
 /// Acceptance: replaying a fully processed partition from offset 0 applies nothing; every
 /// replayed record is a duplicate (predicted by the dry run, then counted by the consumer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -655,18 +679,8 @@ async fn replay_refuses_before_the_retention_horizon_and_with_running_consumers(
         dry["warning"].as_str().unwrap().contains("retention horizon"),
         "{dry:#}"
     );
-    let refused = txinbox(&db.url, Some(&brokers), &args).await;
-    assert_eq!(refused.code, 1, "{refused:?}");
-    assert!(refused.stderr.contains("retention horizon"), "{refused:?}");
-    assert_eq!(
-        db.position(&consumer, &topic, 0).await,
-        Some(10),
-        "a refusal changes nothing"
-    );
-
-    let forced = txinbox(&db.url, Some(&brokers), &[&args[..], &["--force"]].concat())
-        .await
-        .ok();
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(10));
+    let forced = refused_unless_forced(&db, &brokers, &args, "retention horizon", &consumer, &topic).await;
     assert_eq!(forced["database_positions_set"], true, "{forced:#}");
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(0));
 }
@@ -866,17 +880,7 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
         "--to-timestamp",
         &between,
     ];
-    let refused = txinbox(&db.url, Some(&brokers), &args).await;
-    assert_eq!(refused.code, 1, "{refused:?}");
-    assert!(refused.stderr.contains("offsets 2..5"), "{refused:?}");
-    assert_eq!(
-        db.position(&consumer, &topic, 0).await,
-        Some(2),
-        "nothing changed"
-    );
-    let forced = txinbox(&db.url, Some(&brokers), &[&args[..], &["--force"]].concat())
-        .await
-        .ok();
+    let forced = refused_unless_forced(&db, &brokers, &args, "offsets 2..5", &consumer, &topic).await;
     assert_eq!(forced["database_positions_set"], true, "{forced:#}");
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(5));
 }
