@@ -187,6 +187,12 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             report["group_commit_error"] = json!(e);
         }
     }
+    // A consumer that joined after the check may have read the old positions already.
+    let members = if members.is_empty() {
+        tokio::task::block_in_place(|| kafka.group_members(&group)).unwrap_or_default()
+    } else {
+        members
+    };
     if !members.is_empty() {
         let warning = format!(
             "the group has {} active member(s): a consumer that holds a partition keeps its own position and overwrites the database position with its next message, so the replay takes effect only for partitions it is assigned afresh; restart the consumers to apply it everywhere",
