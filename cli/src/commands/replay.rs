@@ -113,7 +113,8 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     let skipped: Vec<String> = plans
         .iter()
         .filter_map(|p| {
-            let resume = p.database_position.or(p.group_offset)?;
+            // Records below the low watermark are gone already: only the rest can be skipped.
+            let resume = p.database_position.or(p.group_offset)?.max(p.low);
             (p.start > resume).then(|| format!("partition {} offsets {resume}..{}", p.partition, p.start))
         })
         .collect();
