@@ -157,8 +157,9 @@ enum DeadLetterCommand {
         /// Dead letter ids.
         #[arg(required = true)]
         ids: Vec<i64>,
-        /// Requeue even a discarded dead letter, or a Kafka dead letter that other consumers of
-        /// the topic would take for a new message (their inbox has no row for its ID).
+        /// Requeue even a discarded dead letter, one requeued before whose inbox row is purged,
+        /// or a Kafka dead letter that other consumers of the topic would take for a new message
+        /// (their inbox has no row for its ID).
         #[arg(long)]
         force: bool,
     },

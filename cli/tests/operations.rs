@@ -613,6 +613,18 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
         !partial.stdout.contains("sekret") && !partial.stderr.contains("sekret"),
         "{partial:?}"
     );
+    // Requeued before, inbox row purged since: an earlier copy may have been applied.
+    db.exec(&format!(
+        "UPDATE txinbox.dead_letters SET discarded_at = NULL WHERE id = {id};
+         DELETE FROM txinbox.inbox WHERE message_id = 'd-1'"
+    ))
+    .await;
+    let purged_row = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", &id]).await;
+    assert_eq!(purged_row.code, 1, "{purged_row:?}");
+    assert!(
+        purged_row.stderr.contains("requeued 3 time(s) before"),
+        "{purged_row:?}"
+    );
     // A RabbitMQ URL that does not parse is a bad argument, and is not echoed.
     let bad_url = txinbox(
         &db.url,

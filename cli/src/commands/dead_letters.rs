@@ -171,6 +171,13 @@ async fn requeue(
             r.discard_reason.as_deref().unwrap_or("no reason")
         )));
     }
+    if rq.inbox_before.is_none() && r.requeue_count > 0 && !force {
+        return Err(CliError::failed(format!(
+            "it was requeued {} time(s) before and its inbox row is gone (purged): if an earlier copy was applied, this one would be applied again. Check the effects of message {}, then pass --force to requeue it anyway",
+            r.requeue_count,
+            r.message_id.as_deref().unwrap_or("-")
+        )));
+    }
     if r.message_id.is_none() {
         return Err(CliError::failed(format!(
             "it has no message ID (reason {}): a copy would be dead-lettered again; fix the producer and publish the message anew",
