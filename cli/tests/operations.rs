@@ -894,6 +894,10 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
     ];
     let forced = refused_unless_forced(&db, &brokers, &args, "offsets 2..5", &consumer, &topic).await;
     assert_eq!(forced["database_positions_set"], true, "{forced:#}");
+    assert!(
+        forced["forced"][0].as_str().unwrap().contains("offsets 2..5"),
+        "what --force overrode is reported: {forced:#}"
+    );
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(5));
 }
 

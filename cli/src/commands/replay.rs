@@ -149,6 +149,10 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     if !refusals.is_empty() && !a.force {
         return Err(CliError::Failed(refusals.join("; ")));
     }
+    for r in &refusals {
+        let _ = writeln!(text, "warning (--force): {r}");
+    }
+    report["forced"] = json!(refusals);
     let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
     if !members.is_empty() && !a.force {
         return Err(CliError::failed(format!(
