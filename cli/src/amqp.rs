@@ -24,11 +24,19 @@ impl Amqp {
             service: format!("RabbitMQ at {}", without_credentials(url)),
             detail: format!("{detail} (check --amqp-url / AMQP_URL and that the broker runs)"),
         };
-        let connection =
-            tokio::time::timeout(TIMEOUT, Connection::connect(url, ConnectionProperties::default()))
-                .await
-                .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
-                .map_err(|e| unreachable(e.to_string()))?;
+        // Parsed here: lapin's parse error quotes the whole URL, password included.
+        let uri: lapin::uri::AMQPUri = url.parse().map_err(|_| {
+            CliError::BadArgs(
+                "--amqp-url / AMQP_URL does not parse; expected amqp://user:pass@host:port/vhost".into(),
+            )
+        })?;
+        let connection = tokio::time::timeout(
+            TIMEOUT,
+            Connection::connect_uri(uri, ConnectionProperties::default()),
+        )
+        .await
+        .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
+        .map_err(|e| unreachable(e.to_string()))?;
         let channel = connection
             .create_channel()
             .await

@@ -40,6 +40,18 @@ impl CliError {
         }
     }
 
+    /// The same error with `note` appended to its message (e.g. what was done before it).
+    pub fn with_note(self, note: &str) -> Self {
+        match self {
+            CliError::Failed(m) => CliError::Failed(format!("{m}; {note}")),
+            CliError::BadArgs(m) => CliError::BadArgs(format!("{m}; {note}")),
+            CliError::Unreachable { service, detail } => CliError::Unreachable {
+                service,
+                detail: format!("{detail}; {note}"),
+            },
+        }
+    }
+
     /// A failure with this message.
     pub fn failed(message: impl Into<String>) -> Self {
         CliError::Failed(message.into())

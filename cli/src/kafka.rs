@@ -169,15 +169,17 @@ impl Kafka {
     }
 
     /// Reads the records of `topic`/`partition` with offsets in `[from, to)`, calling `each`
-    /// with every one. Stops early (returning the next offset not read) when nothing arrives
-    /// for 10 s, e.g. past a transaction marker at the end of the range.
+    /// with every one until it returns `false`. Returns the next offset not read: `to` when the
+    /// whole range was read (offsets without a record, such as transaction markers and
+    /// compacted records, count as read), less when `each` stopped it or nothing arrived for
+    /// 10 s.
     pub fn read_range(
         &self,
         topic: &str,
         partition: i32,
         from: i64,
         to: i64,
-        mut each: impl FnMut(Record),
+        mut each: impl FnMut(Record) -> bool,
     ) -> Result<i64, CliError> {
         if from >= to {
             return Ok(from);
@@ -208,7 +210,7 @@ impl Kafka {
                         break;
                     }
                     next = m.offset() + 1;
-                    each(Record {
+                    let go_on = each(Record {
                         offset: m.offset(),
                         timestamp: m.timestamp().to_millis(),
                         key: m.key().map(<[u8]>::to_vec),
@@ -224,9 +226,21 @@ impl Kafka {
                             })
                             .unwrap_or_default(),
                     });
+                    if !go_on {
+                        return Ok(next);
+                    }
                 }
                 Some(Err(e)) => return Err(CliError::failed(format!("reading {topic}/{partition}: {e}"))),
                 None => {}
+            }
+        }
+        if next < to {
+            // Nothing arrived: the consumer's position moves past offsets without a record.
+            if let Ok(position) = reader.position() {
+                if let Some(Offset::Offset(o)) = position.find_partition(topic, partition).map(|e| e.offset())
+                {
+                    next = next.max(o.min(to));
+                }
             }
         }
         Ok(next)

@@ -119,7 +119,8 @@ struct ReplayArgs {
     /// Report what the consumer would do with the records in the range; change nothing.
     #[arg(long)]
     dry_run: bool,
-    /// Replay even before the retention horizon or while the group has active members.
+    /// Replay even before the retention horizon, past records the consumer has not reached
+    /// yet (skipping them), or while the group has active members.
     #[arg(long)]
     force: bool,
 }
@@ -156,7 +157,9 @@ enum DeadLetterCommand {
         /// Dead letter ids.
         #[arg(required = true)]
         ids: Vec<i64>,
-        /// Requeue even a discarded dead letter.
+        /// Requeue even a discarded dead letter, one requeued before whose inbox row is purged,
+        /// or a Kafka dead letter that other consumers of the topic would take for a new message
+        /// (their inbox has no row for its ID).
         #[arg(long)]
         force: bool,
     },

@@ -31,6 +31,30 @@ async fn duplicates(db: &TestDb, consumer: &str) -> i64 {
     .await
 }
 
+/// Runs `txinbox args` and asserts a refusal: exit 1, `why` on stderr, the stored position of
+/// `consumer` in `topic`/0 unchanged. Then runs it with `--force` and returns the JSON report.
+async fn refused_unless_forced(
+    db: &TestDb,
+    brokers: &str,
+    args: &[&str],
+    why: &str,
+    consumer: &str,
+    topic: &str,
+) -> serde_json::Value {
+    let before = db.position(consumer, topic, 0).await;
+    let refused = txinbox(&db.url, Some(brokers), args).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains(why), "{refused:?}");
+    assert_eq!(
+        db.position(consumer, topic, 0).await,
+        before,
+        "a refusal changes nothing"
+    );
+    txinbox(&db.url, Some(brokers), &[args, &["--force"]].concat())
+        .await
+        .ok()
+}
+
 /// Acceptance: replaying a fully processed partition from offset 0 applies nothing; every
 /// replayed record is a duplicate (predicted by the dry run, then counted by the consumer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -75,6 +99,26 @@ async fn replay_of_fully_processed_partition_applies_nothing() {
         Some(30),
         "a dry run changes nothing"
     );
+    // With an ID strategy the consumer does not use, the dry run would call everything new.
+    let wrong = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "replay",
+            "--consumer",
+            &consumer,
+            "--topic",
+            &topic,
+            "--to-offset",
+            "0",
+            "--dry-run",
+            "--id-strategy",
+            "sha256",
+        ],
+    )
+    .await;
+    assert_eq!(wrong.code, 2, "{wrong:?}");
+    assert!(wrong.stderr.contains("--id-strategy cloudevents"), "{wrong:?}");
 
     let replay = txinbox(
         &db.url,
@@ -390,6 +434,21 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
 
     // Fix the cause, then requeue: applied once.
     db.exec("DELETE FROM blocked").await;
+    // Not while another consumer of the topic would take the copy for a new message.
+    db.exec(&format!(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ('audit-{consumer}', '{topic}', '0', 2)"
+    ))
+    .await;
+    let refused = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", &id]).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(
+        refused.stderr.contains(&format!("audit-{consumer}")),
+        "{refused:?}"
+    );
+    db.exec(&format!(
+        "DELETE FROM txinbox.positions WHERE consumer = 'audit-{consumer}'"
+    ))
+    .await;
     let first = txinbox(
         &db.url,
         Some(&brokers),
@@ -516,6 +575,74 @@ async fn dead_letter_requeue_applies_once_then_is_a_duplicate() {
     let missing = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", "999999"]).await;
     assert_eq!(missing.code, 1, "{missing:?}");
     assert!(missing.stderr.contains("no such dead letter"), "{missing:?}");
+
+    // A batch that meets an unreachable service stops there, reporting what it did requeue.
+    db.exec(&format!(
+        "INSERT INTO txinbox.dead_letters (consumer, message_id, id_strategy, fingerprint, reason, error,
+                                           attempts, payload, headers, source_system, destination)
+         VALUES ('{consumer}', 'r-1', 'cloudevents', sha256('x'::bytea), 'permanent_error', 'x', 1,
+                 'x', '[]', 'rabbitmq', 'q-{consumer}')"
+    ))
+    .await;
+    let rabbit = db
+        .scalar("SELECT id FROM txinbox.dead_letters WHERE source_system = 'rabbitmq'")
+        .await
+        .to_string();
+    let partial = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "--json",
+            "--amqp-url",
+            "amqp://guest:sekret@127.0.0.1:1/%2f",
+            "dead-letters",
+            "requeue",
+            "--force",
+            &id,
+            &rabbit,
+            &id,
+        ],
+    )
+    .await;
+    assert_eq!(partial.code, 3, "{partial:?}");
+    let results = partial.json()["results"].clone();
+    assert_eq!(results[0]["requeued"], true, "{partial:?}");
+    assert_eq!(results[1]["requeued"], false, "{partial:?}");
+    assert_eq!(results[2]["error"], "not attempted", "{partial:?}");
+    assert!(
+        !partial.stdout.contains("sekret") && !partial.stderr.contains("sekret"),
+        "{partial:?}"
+    );
+    // Requeued before, inbox row purged since: an earlier copy may have been applied.
+    db.exec(&format!(
+        "UPDATE txinbox.dead_letters SET discarded_at = NULL WHERE id = {id};
+         DELETE FROM txinbox.inbox WHERE message_id = 'd-1'"
+    ))
+    .await;
+    let purged_row = txinbox(&db.url, Some(&brokers), &["dead-letters", "requeue", &id]).await;
+    assert_eq!(purged_row.code, 1, "{purged_row:?}");
+    assert!(
+        purged_row.stderr.contains("requeued 3 time(s) before"),
+        "{purged_row:?}"
+    );
+    // A RabbitMQ URL that does not parse is a bad argument, and is not echoed.
+    let bad_url = txinbox(
+        &db.url,
+        None,
+        &[
+            "--amqp-url",
+            "amqp:guest:sekret@127.0.0.1",
+            "dead-letters",
+            "requeue",
+            &rabbit,
+        ],
+    )
+    .await;
+    assert_eq!(bad_url.code, 2, "{bad_url:?}");
+    assert!(
+        !bad_url.stdout.contains("sekret") && !bad_url.stderr.contains("sekret"),
+        "{bad_url:?}"
+    );
 }
 
 /// Replay refuses a range that starts before the retention horizon (purged IDs would be
@@ -564,18 +691,8 @@ async fn replay_refuses_before_the_retention_horizon_and_with_running_consumers(
         dry["warning"].as_str().unwrap().contains("retention horizon"),
         "{dry:#}"
     );
-    let refused = txinbox(&db.url, Some(&brokers), &args).await;
-    assert_eq!(refused.code, 1, "{refused:?}");
-    assert!(refused.stderr.contains("retention horizon"), "{refused:?}");
-    assert_eq!(
-        db.position(&consumer, &topic, 0).await,
-        Some(10),
-        "a refusal changes nothing"
-    );
-
-    let forced = txinbox(&db.url, Some(&brokers), &[&args[..], &["--force"]].concat())
-        .await
-        .ok();
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(10));
+    let forced = refused_unless_forced(&db, &brokers, &args, "retention horizon", &consumer, &topic).await;
     assert_eq!(forced["database_positions_set"], true, "{forced:#}");
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(0));
 }
@@ -759,4 +876,155 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
     .ok();
     assert_eq!(dry["partitions"][0]["start"], 5, "{dry:#}");
     assert_eq!(dry["new"], 5, "{dry:#}");
+
+    // A consumer that resumes at offset 2 would skip 2..5: refused unless --force.
+    db.exec(&format!(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ('{consumer}', '{topic}', '0', 2)"
+    ))
+    .await;
+    let args = [
+        "--json",
+        "replay",
+        "--consumer",
+        &consumer,
+        "--topic",
+        &topic,
+        "--to-timestamp",
+        &between,
+    ];
+    let forced = refused_unless_forced(&db, &brokers, &args, "offsets 2..5", &consumer, &topic).await;
+    assert_eq!(forced["database_positions_set"], true, "{forced:#}");
+    assert!(
+        forced["forced"][0].as_str().unwrap().contains("offsets 2..5"),
+        "what --force overrode is reported: {forced:#}"
+    );
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(5));
+}
+
+/// Purge keeps the inbox row of a record the consumer will read again: a dead letter at the
+/// stored position (a dead letter does not move it) is recognised after a restart, not handled
+/// again, even though its cause was fixed meanwhile (only a requeue may apply it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn purge_keeps_the_row_of_a_dead_letter_a_restart_reads_again() {
+    let Some(brokers) = brokers() else { return };
+    let db = TestDb::new().await;
+    let topic = create_topic(&brokers, 1).await;
+    let consumer = consumer_name();
+    db.exec("INSERT INTO blocked VALUES ('acct-bad')").await;
+    let producer = Producer::new(&brokers);
+    producer.send(&topic, 0, "k-1", &deposit("acct-ok", 5)).await;
+    producer.send(&topic, 0, "k-2", &deposit("acct-bad", 7)).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    db.wait_for("SELECT count(*) FROM txinbox.dead_letters", 1, WAIT)
+        .await;
+    running.stop().await;
+    assert_eq!(
+        db.position(&consumer, &topic, 0).await,
+        Some(1),
+        "the dead letter at offset 1 did not move the position"
+    );
+
+    let purged = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--older-than", "0s"],
+    )
+    .await
+    .ok();
+
+    db.exec("DELETE FROM blocked").await;
+    producer.send(&topic, 0, "k-3", &deposit("acct-ok", 1)).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    db.wait_for(
+        &format!("SELECT next_position FROM txinbox.positions WHERE consumer = '{consumer}'"),
+        3,
+        WAIT,
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE message_id = 'k-2'")
+            .await,
+        0,
+        "the dead-lettered record read again is not handled again"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
+    assert_eq!(purged["consumers"][0]["deleted"], 1, "only k-1's row: {purged:#}");
+}
+
+/// Purge keeps rows of records at or after the stored position (here: after a replay moved it
+/// back), so the replayed records stay duplicates; rows before it, and rows without a
+/// partition, go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_keeps_rows_at_or_after_the_stored_position() {
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    db.exec(&format!(
+        "INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts,
+                                    first_seen_at, processed_at, source_system, destination,
+                                    source_partition, source_offset)
+         SELECT '{consumer}', 'm-' || i, 'cloudevents', sha256(i::text::bytea), 'processed', 1,
+                now() - interval '30 days', now() - interval '30 days', 'kafka', 't',
+                CASE WHEN i < 100 THEN 0 END, i % 100
+         FROM generate_series(0, 109) i;
+         INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+         VALUES ('{consumer}', 't', '0', 60), ('{consumer}', 'other', '0', 0);"
+    ))
+    .await;
+    let dry = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--dry-run"],
+    )
+    .await
+    .ok();
+    assert_eq!(dry["consumers"][0]["candidates"], 70, "{dry:#}");
+    let purged = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--batch-size", "7"],
+    )
+    .await
+    .ok();
+    assert_eq!(purged["consumers"][0]["deleted"], 70, "{purged:#}");
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}' AND source_offset >= 60 AND source_partition = 0"
+        ))
+        .await,
+        40,
+        "offsets 60..99 of partition 0 are read again from position 60"
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}'"
+        ))
+        .await,
+        40
+    );
+}
+
+/// A replay writes its positions only if the retention horizon is still the one it checked
+/// the range against: a purge that moved it in between makes the replay change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_positions_are_not_set_when_a_purge_moved_the_horizon_meanwhile() {
+    use txinbox::ops::{replay, retention, Timestamp};
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    let lanes = [("0".to_owned(), 0)];
+    // The replay checked its range: no horizon yet. Then a purge records one.
+    retention::record_horizon(&db.pool, &consumer, Timestamp(1_000))
+        .await
+        .unwrap();
+    assert!(!replay::set_positions(&db.pool, &consumer, "t", &lanes, None)
+        .await
+        .unwrap());
+    assert_eq!(db.position(&consumer, "t", 0).await, None, "nothing set");
+    // Checked against the current horizon: set.
+    let h = retention::horizon(&db.pool, &consumer).await.unwrap();
+    assert_eq!(h, Some(Timestamp(1_000)));
+    assert!(replay::set_positions(&db.pool, &consumer, "t", &lanes, h)
+        .await
+        .unwrap());
+    assert_eq!(db.position(&consumer, "t", 0).await, Some(0));
 }

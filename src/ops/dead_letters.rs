@@ -179,6 +179,29 @@ pub async fn discard(pool: &PgPool, id: i64, reason: &str) -> Result<Option<Dead
     get(pool, id).await
 }
 
+/// Other consumers with stored positions in `source` (Kafka: they read the same topic, so a
+/// requeued copy reaches them too) whose inbox holds no row for `message_id`: they would take
+/// the copy for a new message.
+pub async fn readers_without_row(
+    pool: &PgPool,
+    consumer: &str,
+    source: &str,
+    message_id: &str,
+) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT DISTINCT p.consumer FROM txinbox.positions p
+         WHERE p.source = $2 AND p.consumer <> $1
+           AND NOT EXISTS (SELECT 1 FROM txinbox.inbox i
+                           WHERE i.consumer = p.consumer AND i.message_id = $3)
+         ORDER BY p.consumer",
+    )
+    .bind(consumer)
+    .bind(source)
+    .bind(message_id)
+    .fetch_all(pool)
+    .await
+}
+
 /// A requeue in progress: the dead letter is locked; see the [module docs](self).
 #[derive(Debug)]
 pub struct Requeue {

@@ -104,7 +104,10 @@ impl FromStr for Timestamp {
         }
         let offset_min = match &text[i..] {
             "Z" | "z" => 0,
-            tz if tz.len() == 6 && (tz.starts_with('+') || tz.starts_with('-')) && &tz[3..4] == ":" => {
+            tz if tz.len() == 6
+                && (tz.starts_with('+') || tz.starts_with('-'))
+                && tz.as_bytes()[3] == b':' =>
+            {
                 let sign = if tz.starts_with('-') { -1 } else { 1 };
                 sign * (num(i + 1..i + 3)? * 60 + num(i + 4..i + 6)?)
             }
@@ -173,6 +176,7 @@ mod tests {
             "2026-13-01T00:00:00Z",
             "2026-11-21T07:08:24",
             "2026-11-21T07:08:24.Z",
+            "2026-11-21T07:08:24+0\u{e9}00",
         ] {
             assert!(bad.parse::<Timestamp>().is_err(), "{bad} must not parse");
         }

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use sqlx::PgPool;
 
+use super::Timestamp;
 use crate::store::InboxStatus;
 
 /// What the consumer will do with one replayed message, judged from the inbox.
@@ -64,6 +65,26 @@ pub struct InboxRow {
     pub fingerprint: Vec<u8>,
 }
 
+/// Checks that `strategy` (an [`IdStrategy::label`](crate::IdStrategy::label)) is what
+/// `consumer` derives IDs with: `None` if one of its inbox rows carries that label or it has no
+/// rows; otherwise `Some` label its rows do carry. A dry run with another strategy compares IDs
+/// the consumer never stored.
+pub async fn other_strategy(
+    pool: &PgPool,
+    consumer: &str,
+    strategy: &str,
+) -> Result<Option<String>, sqlx::Error> {
+    let (matching, any): (Option<String>, Option<String>) = sqlx::query_as(
+        "SELECT (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 AND id_strategy = $2 LIMIT 1),
+                (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 LIMIT 1)",
+    )
+    .bind(consumer)
+    .bind(strategy)
+    .fetch_one(pool)
+    .await?;
+    Ok(if matching.is_some() { None } else { any })
+}
+
 /// The inbox rows of `consumer` for `ids`, by ID (IDs without a row are absent).
 pub async fn lookup(
     pool: &PgPool,
@@ -92,16 +113,35 @@ pub async fn lookup(
         .collect())
 }
 
-/// Sets `consumer`'s next positions in `source` (lane → next position) in one transaction.
-/// A consumer reads them when it is (re)assigned the lane; a running consumer overwrites them
-/// with its own progress, so move positions only while the consumer is stopped.
+/// Sets `consumer`'s next positions in `source` (lane → next position) in one transaction,
+/// provided the retention horizon is still `checked_horizon`, the one the caller checked the
+/// replay range against. Returns `false`, changing nothing, when a purge has moved the horizon
+/// since (the range may have lost inbox rows: check again). The horizon is read under the lock
+/// [`record_horizon`](super::retention::record_horizon) takes, so a purge cannot slip between
+/// the check and the commit.
+///
+/// A consumer reads the positions when it is (re)assigned the lane; a running consumer
+/// overwrites them with its own progress, so move positions only while the consumer is stopped.
 pub async fn set_positions(
     pool: &PgPool,
     consumer: &str,
     source: &str,
     positions: &[(String, i64)],
-) -> Result<(), sqlx::Error> {
+    checked_horizon: Option<Timestamp>,
+) -> Result<bool, sqlx::Error> {
     let mut tx = pool.begin().await?;
+    sqlx::query(super::retention::HORIZON_LOCK)
+        .bind(consumer)
+        .execute(&mut *tx)
+        .await?;
+    let horizon: Option<i64> = sqlx::query_scalar(super::retention::HORIZON)
+        .bind(consumer)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if horizon.map(Timestamp) != checked_horizon {
+        tx.rollback().await?;
+        return Ok(false);
+    }
     for (lane, next) in positions {
         sqlx::query(
             "INSERT INTO txinbox.positions (consumer, source, lane, next_position)
@@ -116,5 +156,6 @@ pub async fn set_positions(
         .execute(&mut *tx)
         .await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    Ok(true)
 }

@@ -13,16 +13,24 @@
 //!
 //! Rows whose status is terminal (`processed` or `dead_lettered`) and whose `processed_at`
 //! (when they became terminal) is older than the cutoff. Never `retrying` rows: they hold a
-//! message that has not finished. A purged `dead_lettered` row is like a purged `processed`
+//! message that has not finished. Never a row of a Kafka record at or after the consumer's
+//! stored position in its partition: a (re)starting consumer reads that record again and needs
+//! the row to recognise it. Such rows are a dead letter at the end of a quiet partition (a dead
+//! letter does not move the position, see [`InboxStore::dead_letter`]) and every row a replay
+//! moved the position back over. A purged `dead_lettered` row is like a purged `processed`
 //! one: a redelivery would run the handler. The `dead_letters` table itself is not purged.
+//!
+//! [`InboxStore::dead_letter`]: crate::InboxStore::dead_letter
 //!
 //! # Concurrency
 //!
 //! Each batch is one short `DELETE` that re-checks status and age on the rows it deletes, so a
 //! row a consumer is touching meanwhile (a duplicate being counted, a requeue reopening it)
 //! is either left alone or deleted after that transaction ends; rows inside the window are
-//! never candidates. The horizon is recorded *before* the first delete, so a replay checked
-//! concurrently already sees it.
+//! never candidates. The horizon is recorded *before* the first delete, under a lock that
+//! [`set_positions`](super::replay::set_positions) also takes: a replay either moves its
+//! positions first (and the deletes, which skip rows at or after a stored position, leave its
+//! range alone) or sees the new horizon and refuses.
 
 use std::time::Duration;
 
@@ -45,29 +53,44 @@ pub struct PurgePlan {
     pub candidates: i64,
 }
 
+/// Which rows of consumer `$1` a purge with cutoff `$2` (epoch milliseconds) may delete, as a
+/// condition on `i`, a `txinbox.inbox` row; see the [module docs](self).
+const PURGEABLE: &str = "i.consumer = $1 AND i.status <> 'retrying'
+    AND i.processed_at < to_timestamp($2::float8 / 1000)
+    AND NOT EXISTS (SELECT 1 FROM txinbox.positions p
+                    WHERE p.consumer = i.consumer AND p.source = i.destination
+                      AND p.lane = i.source_partition::text AND p.next_position <= i.source_offset)";
+
 /// Computes the cutoff (the database's `now()` minus `window`) and counts the rows it covers.
 pub async fn plan(pool: &PgPool, consumer: &str, window: Duration) -> Result<PurgePlan, sqlx::Error> {
-    let (cutoff, candidates): (i64, i64) = sqlx::query_as(concat!(
-        "WITH c AS (SELECT now() - make_interval(secs => $2::float8) AS cutoff)
-         SELECT ",
-        ms!("c.cutoff"),
-        ", (SELECT count(*) FROM txinbox.inbox
-             WHERE consumer = $1 AND status <> 'retrying' AND processed_at < c.cutoff)
-         FROM c"
+    let cutoff: i64 = sqlx::query_scalar(concat!(
+        "SELECT ",
+        ms!("now() - make_interval(secs => $1::float8)")
     ))
-    .bind(consumer)
     .bind(window.as_secs_f64())
     .fetch_one(pool)
     .await?;
+    let sql = format!("SELECT count(*) FROM txinbox.inbox i WHERE {PURGEABLE}");
+    let candidates: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .bind(consumer)
+        .bind(cutoff as f64)
+        .fetch_one(pool)
+        .await?;
     Ok(PurgePlan {
         cutoff: Timestamp(cutoff),
         candidates,
     })
 }
 
+/// The transaction-scoped lock that orders a purge's horizon against a replay's positions.
+pub(crate) const HORIZON_LOCK: &str =
+    "SELECT pg_advisory_xact_lock(hashtextextended('txinbox.retention/' || $1, 0))";
+
 /// Records that `consumer`'s inbox may have lost rows that became terminal before `cutoff`
 /// (never moves an existing horizon backwards). Call it before [`delete_batch`].
 pub async fn record_horizon(pool: &PgPool, consumer: &str, cutoff: Timestamp) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query(HORIZON_LOCK).bind(consumer).execute(&mut *tx).await?;
     sqlx::query(
         "INSERT INTO txinbox.retention (consumer, purged_before)
          VALUES ($1, to_timestamp($2::float8 / 1000))
@@ -77,35 +100,36 @@ pub async fn record_horizon(pool: &PgPool, consumer: &str, cutoff: Timestamp) ->
     )
     .bind(consumer)
     .bind(cutoff.0 as f64)
-    .execute(pool)
+    .execute(&mut *tx)
     .await?;
-    Ok(())
+    tx.commit().await
 }
 
-/// Deletes up to `batch` terminal rows of `consumer` that became terminal before `cutoff`, in
-/// one statement. Returns how many were deleted; 0 means done.
+/// Deletes up to `batch` rows of `consumer` that a purge with `cutoff` may delete (see the
+/// [module docs](self)), in one statement. Returns how many were deleted; 0 means done.
 pub async fn delete_batch(
     pool: &PgPool,
     consumer: &str,
     cutoff: Timestamp,
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
-    // The outer WHERE re-checks status and age: a row that changed since the subselect read it
+    // The batch is picked oldest first along inbox_processed_at_idx and deleted through the
+    // primary key (an array, not a join, so the cost follows the batch, not the table). The
+    // outer WHERE re-checks the condition: a row that changed since the subselect read it
     // (e.g. reopened by a requeue) is skipped.
-    let done = sqlx::query(
+    let sql = format!(
         "DELETE FROM txinbox.inbox i
-         USING (SELECT message_id FROM txinbox.inbox
-                WHERE consumer = $1 AND status <> 'retrying'
-                  AND processed_at < to_timestamp($2::float8 / 1000)
-                LIMIT $3) old
-         WHERE i.consumer = $1 AND i.message_id = old.message_id
-           AND i.status <> 'retrying' AND i.processed_at < to_timestamp($2::float8 / 1000)",
-    )
-    .bind(consumer)
-    .bind(cutoff.0 as f64)
-    .bind(batch)
-    .execute(pool)
-    .await?;
+         WHERE i.message_id = ANY(ARRAY(
+                   SELECT i.message_id FROM txinbox.inbox i WHERE {PURGEABLE}
+                   ORDER BY i.processed_at LIMIT $3))
+           AND {PURGEABLE}"
+    );
+    let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(consumer)
+        .bind(cutoff.0 as f64)
+        .bind(batch)
+        .execute(pool)
+        .await?;
     let n = done.rows_affected();
     if n > 0 {
         sqlx::query("UPDATE txinbox.retention SET rows_purged = rows_purged + $2 WHERE consumer = $1")
@@ -117,16 +141,19 @@ pub async fn delete_batch(
     Ok(n)
 }
 
+/// Reads the retention horizon of consumer `$1` in epoch milliseconds.
+pub(crate) const HORIZON: &str = concat!(
+    "SELECT ",
+    ms!("purged_before"),
+    " FROM txinbox.retention WHERE consumer = $1"
+);
+
 /// The retention horizon of `consumer`: see [`record_horizon`]. `None` if never purged.
 pub async fn horizon(pool: &PgPool, consumer: &str) -> Result<Option<Timestamp>, sqlx::Error> {
-    let h: Option<i64> = sqlx::query_scalar(concat!(
-        "SELECT ",
-        ms!("purged_before"),
-        " FROM txinbox.retention WHERE consumer = $1"
-    ))
-    .bind(consumer)
-    .fetch_optional(pool)
-    .await?;
+    let h: Option<i64> = sqlx::query_scalar(HORIZON)
+        .bind(consumer)
+        .fetch_optional(pool)
+        .await?;
     Ok(h.map(Timestamp))
 }
 

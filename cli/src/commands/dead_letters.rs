@@ -103,17 +103,29 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             let mut text = String::new();
             let mut code = exit::OK;
             let mut services = Publishers::default();
-            for id in ids {
+            for (i, &id) in ids.iter().enumerate() {
                 match requeue(env, &pool, &mut services, id, force).await {
                     Ok((json, line)) => {
                         out.push(json);
                         text.push_str(&line);
                     }
-                    Err(e @ CliError::Unreachable { .. }) | Err(e @ CliError::BadArgs(_)) => return Err(e),
-                    Err(CliError::Failed(e)) => {
+                    Err(e @ CliError::Failed(_)) => {
                         code = exit::FAILED;
                         let _ = writeln!(text, "dead letter {id} not requeued: {e}");
-                        out.push(json!({ "id": id, "requeued": false, "error": e }));
+                        out.push(json!({ "id": id, "requeued": false, "error": e.to_string() }));
+                    }
+                    // A missing service or argument fails every other requeue the same way: stop,
+                    // but report what was already requeued.
+                    Err(e) if i == 0 => return Err(e),
+                    Err(e) => {
+                        code = e.exit_code();
+                        let _ = writeln!(text, "dead letter {id} not requeued: {e}");
+                        out.push(json!({ "id": id, "requeued": false, "error": e.to_string() }));
+                        for id in &ids[i + 1..] {
+                            let _ = writeln!(text, "dead letter {id} not attempted");
+                            out.push(json!({ "id": id, "requeued": false, "error": "not attempted" }));
+                        }
+                        break;
                     }
                 }
             }
@@ -128,6 +140,9 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
         }
     }
 }
+
+/// What a failed publish leaves behind. A timed-out publish may still have delivered the copy.
+const NOT_RECORDED: &str = "the requeue is not recorded and the inbox row is unchanged, so a copy that reached the broker anyway is deduplicated against it (a dead-lettered row sends it to the dead letters again): requeue it again";
 
 /// Broker connections opened on first use, shared by the requeues of one run.
 #[derive(Default)]
@@ -156,6 +171,13 @@ async fn requeue(
             r.discard_reason.as_deref().unwrap_or("no reason")
         )));
     }
+    if rq.inbox_before.is_none() && r.requeue_count > 0 && !force {
+        return Err(CliError::failed(format!(
+            "it was requeued {} time(s) before and its inbox row is gone (purged): if an earlier copy was applied, this one would be applied again. Check the effects of message {}, then pass --force to requeue it anyway",
+            r.requeue_count,
+            r.message_id.as_deref().unwrap_or("-")
+        )));
+    }
     if r.message_id.is_none() {
         return Err(CliError::failed(format!(
             "it has no message ID (reason {}): a copy would be dead-lettered again; fix the producer and publish the message anew",
@@ -181,11 +203,24 @@ async fn requeue(
         .iter()
         .map(|(k, v)| (k.to_owned(), v.to_vec()))
         .collect();
+    // A copy of a copy names only this dead letter.
+    headers.retain(|(k, _)| k != REQUEUED_FROM);
     headers.push((REQUEUED_FROM.into(), id.to_string().into_bytes()));
     // The inbox row stays locked until commit: a consumer receiving the copy first waits, then
     // sees the reopened row.
     let (partition, offset) = match r.source_system.as_str() {
         "kafka" => {
+            let message_id = r.message_id.as_deref().unwrap_or_default();
+            let others = dead_letters::readers_without_row(pool, &r.consumer, &r.destination, message_id)
+                .await
+                .map_err(db("looking for other consumers of the topic"))?;
+            if !others.is_empty() && !force {
+                return Err(CliError::failed(format!(
+                    "other consumers also read {} and their inbox holds no row for message {message_id}: {}. The copy reaches them too and they would take it for a new message (applying it again if they processed the original under another ID or purged its row); pass --force if that is intended",
+                    r.destination,
+                    others.join(", ")
+                )));
+            }
             if services.kafka.is_none() {
                 let k = env.kafka("requeueing a Kafka dead letter")?;
                 let producer = k.producer()?;
@@ -194,7 +229,7 @@ async fn requeue(
             let (_, producer) = services.kafka.as_ref().expect("connected above");
             let (p, o) = kafka::produce(producer, &r.destination, r.source_partition, &r.payload, &headers)
                 .await
-                .map_err(|e| CliError::failed(format!("publishing to {} failed ({e}); nothing changed", r.destination)))?;
+                .map_err(|e| CliError::failed(format!("publishing to {} failed ({e}); {NOT_RECORDED}", r.destination)))?;
             (Some(p), Some(o))
         }
         "rabbitmq" => {
@@ -206,7 +241,7 @@ async fn requeue(
             let native = (r.id_strategy.as_deref() == Some("native")).then_some(r.message_id.as_deref()).flatten();
             amqp.publish(&r.destination, &r.payload, &headers, native)
                 .await
-                .map_err(|e| CliError::failed(format!("publishing to queue {} failed ({e}); nothing changed", r.destination)))?;
+                .map_err(|e| CliError::failed(format!("publishing to queue {} failed ({e}); {NOT_RECORDED}", r.destination)))?;
             (None, None)
         }
         other => {

@@ -16,7 +16,7 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
             .await
             .map_err(db("listing consumers"))?,
     };
-    let mut out = Vec::new();
+    let mut out: Vec<serde_json::Value> = Vec::new();
     let mut text = String::new();
     for consumer in consumers {
         let plan = retention::plan(&pool, &consumer, a.older_than)
@@ -30,9 +30,22 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
                 .map_err(db("recording the retention horizon"))?;
             let bar = env.progress(plan.candidates as u64, &format!("purging {consumer}"));
             loop {
-                let n = retention::delete_batch(&pool, &consumer, plan.cutoff, a.batch_size)
-                    .await
-                    .map_err(db("deleting a batch"))?;
+                let n = match retention::delete_batch(&pool, &consumer, plan.cutoff, a.batch_size).await {
+                    Ok(n) => n,
+                    Err(e) => {
+                        bar.finish_and_clear();
+                        let e = db("deleting a batch")(e);
+                        let done: Vec<String> = out
+                            .iter()
+                            .map(|c| format!("{} of {}", c["deleted"], c["consumer"].as_str().unwrap_or("")))
+                            .chain([format!("{deleted} of {consumer}")])
+                            .collect();
+                        return Err(e.with_note(&format!(
+                            "deleted so far: {} (the horizon is recorded; run the purge again to finish)",
+                            done.join(", ")
+                        )));
+                    }
+                };
                 if n == 0 {
                     break;
                 }

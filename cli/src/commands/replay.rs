@@ -57,9 +57,10 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     if let Some(h) = horizon {
         for p in plans.iter().filter(|p| p.start < p.high) {
             let mut first = None;
-            tokio::task::block_in_place(|| {
-                kafka.read_range(topic, p.partition, p.start, p.start + 1, |r| {
-                    first = Some(r.timestamp)
+            let next = tokio::task::block_in_place(|| {
+                kafka.read_range(topic, p.partition, p.start, p.high, |r| {
+                    first = Some(r.timestamp);
+                    false
                 })
             })?;
             match first {
@@ -68,7 +69,14 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
                     "partition": p.partition, "offset": p.start,
                     "record_timestamp": ts.map(|t| Timestamp(t).to_string()),
                 })),
-                None => {}
+                // The range holds no record (only markers): nothing to re-apply.
+                None if next >= p.high => {}
+                None => {
+                    return Err(CliError::failed(format!(
+                        "could not read the first record of {topic}/{} at offset {} within 10 s, so the range cannot be checked against the retention horizon; try again",
+                        p.partition, p.start
+                    )))
+                }
             }
         }
     }
@@ -101,6 +109,22 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             horizon.map(|h| h.to_string()).unwrap_or_default()
         )
     });
+    // Moving forward past where the consumer resumes skips records it may never have processed.
+    let skipped: Vec<String> = plans
+        .iter()
+        .filter_map(|p| {
+            // Records below the low watermark are gone already: only the rest can be skipped.
+            let resume = p.database_position.or(p.group_offset)?.max(p.low);
+            (p.start > resume).then(|| format!("partition {} offsets {resume}..{}", p.partition, p.start))
+        })
+        .collect();
+    let skip_refusal = (!skipped.is_empty()).then(|| {
+        format!(
+            "the start is after where the consumer resumes ({}): those records would never reach the consumer, and any it has not processed yet would be lost: choose an earlier start, or pass --force to skip them",
+            skipped.join(", ")
+        )
+    });
+    let refusals: Vec<String> = [horizon_refusal, skip_refusal].into_iter().flatten().collect();
 
     if a.dry_run {
         let counts = dry_run(env, &pool, &kafka, &a, &plans).await?;
@@ -113,16 +137,22 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             "{total} records in the range: {} already applied (would be skipped), {} new, {} conflicting, {} dead-lettered, {} retrying, {} without an ID",
             counts["applied"], counts["new"], counts["conflicting"], counts["dead_lettered"], counts["retrying"], counts["missing_id"]
         );
-        if let Some(r) = &horizon_refusal {
+        for r in &refusals {
             let _ = writeln!(text, "warning: {r}");
-            report["warning"] = json!(r);
+        }
+        if !refusals.is_empty() {
+            report["warning"] = json!(refusals.join("; "));
         }
         return Ok(Report::ok(report, text));
     }
 
-    if let Some(r) = horizon_refusal.filter(|_| !a.force) {
-        return Err(CliError::Failed(r));
+    if !refusals.is_empty() && !a.force {
+        return Err(CliError::Failed(refusals.join("; ")));
     }
+    for r in &refusals {
+        let _ = writeln!(text, "warning (--force): {r}");
+    }
+    report["forced"] = json!(refusals);
     let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
     if !members.is_empty() && !a.force {
         return Err(CliError::failed(format!(
@@ -133,9 +163,14 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     }
 
     let positions: Vec<(String, i64)> = plans.iter().map(|p| (p.partition.to_string(), p.start)).collect();
-    replay::set_positions(&pool, &a.consumer, topic, &positions)
+    let set = replay::set_positions(&pool, &a.consumer, topic, &positions, horizon)
         .await
         .map_err(db("setting the database positions"))?;
+    if !set {
+        return Err(CliError::failed(
+            "a purge moved the retention horizon while replay was checking the range; nothing was changed: run the replay again (it checks the range against the new horizon)",
+        ));
+    }
     let offsets: Vec<(i32, i64)> = plans.iter().map(|p| (p.partition, p.start)).collect();
     let committed = if members.is_empty() {
         tokio::task::block_in_place(|| kafka.commit(&group, topic, &offsets))
@@ -156,6 +191,20 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
             );
             report["group_commit_error"] = json!(e);
         }
+    }
+    // A consumer that joined after the check may have read the old positions already.
+    let members = if members.is_empty() {
+        tokio::task::block_in_place(|| kafka.group_members(&group)).unwrap_or_default()
+    } else {
+        members
+    };
+    if !members.is_empty() {
+        let warning = format!(
+            "the group has {} active member(s): a consumer that holds a partition keeps its own position and overwrites the database position with its next message, so the replay takes effect only for partitions it is assigned afresh; restart the consumers to apply it everywhere",
+            members.len()
+        );
+        let _ = writeln!(text, "warning: {warning}");
+        report["warning"] = json!(warning);
     }
     let _ = writeln!(
         text,
@@ -220,6 +269,16 @@ async fn dry_run(
     a: &ReplayArgs,
     plans: &[Plan],
 ) -> Result<std::collections::BTreeMap<String, u64>, CliError> {
+    let label = a.id_strategy.label();
+    if let Some(stored) = replay::other_strategy(pool, &a.consumer, &label)
+        .await
+        .map_err(db("checking the ID strategy"))?
+    {
+        return Err(CliError::BadArgs(format!(
+            "--id-strategy {label} is not what consumer {} uses: its inbox rows carry IDs from `{stored}`, so every record would look new; pass the consumer's strategy (e.g. --id-strategy {stored})",
+            a.consumer
+        )));
+    }
     let mut counts: std::collections::BTreeMap<String, u64> = [
         Verdict::New,
         Verdict::Applied,
@@ -239,14 +298,22 @@ async fn dry_run(
     for p in plans {
         // Only the ID and fingerprint of each record are kept, not the records.
         let mut derived_all: Vec<(Option<String>, [u8; 32])> = Vec::new();
-        tokio::task::block_in_place(|| {
+        let next = tokio::task::block_in_place(|| {
             kafka.read_range(&a.topic, p.partition, p.start, p.high, |r| {
                 bar.inc(1);
                 let m = message(&a.topic, p.partition, &r);
                 let id = a.id_strategy.derive(&m).ok().map(|id| id.as_str().to_owned());
                 derived_all.push((id, a.fingerprint.of(&m)));
+                true
             })
         })?;
+        if next < p.high {
+            bar.finish_and_clear();
+            return Err(CliError::failed(format!(
+                "reading {}/{} stopped at offset {next} of {}..{}: nothing arrived for 10 s, so the dry run would undercount; try again",
+                a.topic, p.partition, p.start, p.high
+            )));
+        }
         for chunk in derived_all.chunks(1000) {
             let derived = chunk.to_vec();
             let ids: Vec<String> = derived.iter().filter_map(|(id, _)| id.clone()).collect();
