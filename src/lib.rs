@@ -66,7 +66,9 @@ pub mod memory;
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
+pub use consumer::{DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE};
 pub use error::Error;
+pub use handler::{BatchContext, BatchHandler, BatchMessage};
 pub use handler::{Context, Handler, HandlerError};
 pub use message::{Fingerprint, Headers, IdStrategy, Message, MessageId, MissingId, Origin, MAX_ID_LEN};
 pub use retry::RetryPolicy;
