@@ -38,8 +38,9 @@ use crate::telemetry;
 
 /// Default for [`ConsumerBuilder::concurrency`].
 pub const DEFAULT_CONCURRENCY: usize = 8;
-/// Default for [`ConsumerBuilder::max_in_flight`].
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+/// Default for [`ConsumerBuilder::max_in_flight`]: room for every concurrent transaction to
+/// take a full batch ([`DEFAULT_CONCURRENCY`] × [`DEFAULT_BATCH_SIZE`]) with some to spare.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 /// Default for [`ConsumerBuilder::max_message_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 /// Default for [`ConsumerBuilder::batch_size`]: up to 100 messages share one transaction.
@@ -196,7 +197,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     }
 
     /// How many deliveries may be received and not yet settled; intake waits beyond it.
-    /// Default: 256.
+    /// Default: 1024. Batches are taken from what is received, so keep it at least
+    /// `concurrency × batch_size` for full batches.
     pub fn max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
         self
