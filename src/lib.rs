@@ -28,6 +28,9 @@
 //!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
 //! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction;
 //!   [`Router`] to run several handlers in one consumer, by message type or destination.
+//! - [`BatchHandler`]: optional bulk form of a handler for micro-batches (one `UNNEST` or
+//!   `COPY` for all new messages of a batch); batching itself is on by default
+//!   ([`ConsumerBuilder::batch_size`]).
 //! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
 //!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.

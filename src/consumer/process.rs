@@ -280,8 +280,8 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     }
 
     if !new.is_empty() {
-        let started = Instant::now();
         if let Some(handler) = shared.handler.batch() {
+            let started = Instant::now();
             let messages: Vec<BatchMessage<'_>> = new
                 .iter()
                 .map(|&(i, attempt)| BatchMessage {
@@ -299,6 +299,11 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                     .catch_unwind()
                     .await
             };
+            // One sample per call: for a batch handler, the whole batch.
+            shared
+                .metrics
+                .handler_duration
+                .record(started.elapsed().as_secs_f64());
             if !matches!(result, Ok(Ok(()))) {
                 drop(tx.rollback().await);
                 let (error, contended) = match result {
@@ -312,6 +317,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         } else {
             for &(i, attempt) in &new {
                 let item = &batch[i];
+                let started = Instant::now();
                 let result = {
                     let mut cx = Context {
                         conn: &mut *tx,
@@ -324,6 +330,10 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                         .instrument(item.span.clone())
                         .await
                 };
+                shared
+                    .metrics
+                    .handler_duration
+                    .record(started.elapsed().as_secs_f64());
                 if !matches!(result, Ok(Ok(()))) {
                     drop(tx.rollback().await);
                     let contended = matches!(&result, Ok(Err(e)) if e.is_contention());
@@ -337,10 +347,6 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 }
             }
         }
-        shared
-            .metrics
-            .handler_duration
-            .record(started.elapsed().as_secs_f64());
     }
     if new.len() >= 2 {
         crate::crash::hit(crate::crash::BATCH_OPEN);
