@@ -492,9 +492,9 @@ impl Bench {
         name: &str,
         source: Src,
         publisher: Publisher,
-        n: u64,
         id_strategy: Option<IdStrategy>,
     ) -> anyhow::Result<Row> {
+        let n = self.count(mode);
         reset_peak_rss();
         let probe = Probe::new(n + 1);
         let timed = Timed {
@@ -581,7 +581,6 @@ impl Bench {
                     &name,
                     broker.source(),
                     Publisher::Memory(broker.clone()),
-                    self.count(mode),
                     None,
                 )
                 .await?;
@@ -633,15 +632,7 @@ impl Bench {
                 partitions: self.args.partitions,
             };
             let row = self
-                .row(
-                    "kafka",
-                    mode,
-                    &name,
-                    source,
-                    publisher,
-                    self.count(mode),
-                    Some(IdStrategy::Offset),
-                )
+                .row("kafka", mode, &name, source, publisher, Some(IdStrategy::Offset))
                 .await?;
             print_row(&row);
             rows.push(row);
@@ -687,9 +678,7 @@ impl Bench {
                 channel: channel.clone(),
                 queue: queue.clone(),
             };
-            let row = self
-                .row("amqp", mode, &name, source, publisher, self.count(mode), None)
-                .await?;
+            let row = self.row("amqp", mode, &name, source, publisher, None).await?;
             print_row(&row);
             rows.push(row);
             for q in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
@@ -778,7 +767,6 @@ impl Bench {
                 &name,
                 broker.source(),
                 Publisher::Memory(broker.clone()),
-                self.args.messages,
                 None,
             )
             .await?;

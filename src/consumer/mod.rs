@@ -560,6 +560,9 @@ where
 /// A lane's key in the scheduler: `None` is the shared queue of unordered deliveries.
 type LaneKey = Option<Arc<str>>;
 
+/// A running linger: resolves to its lane and the generation that started it.
+type LingerTimer = Pin<Box<dyn Future<Output = (LaneKey, u64)> + Send>>;
+
 /// The per-lane queues and the tasks serving them.
 struct Scheduler<D> {
     lanes: HashMap<LaneKey, LaneQueue<D>>,
@@ -568,7 +571,7 @@ struct Scheduler<D> {
     /// it), so their later deliveries are dropped unsettled too and will be redelivered.
     stopped_lanes: HashSet<Arc<str>>,
     /// Linger timers: the lane and the generation that started it.
-    lingering: FuturesUnordered<Pin<Box<dyn Future<Output = (LaneKey, u64)> + Send>>>,
+    lingering: FuturesUnordered<LingerTimer>,
     generation: u64,
 }
 
