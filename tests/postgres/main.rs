@@ -1384,6 +1384,66 @@ mod batching {
         );
     }
 
+    /// Adds 1 to the `hot` row named by the payload; the first message of each lane then holds
+    /// its transaction a while, so two lanes' batches lock their rows in opposite orders.
+    struct Hot;
+
+    #[txinbox::async_trait]
+    impl Handler<Postgres> for Hot {
+        async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+            let row = std::str::from_utf8(msg.payload()).unwrap().to_owned();
+            sqlx::query("UPDATE hot SET n = n + 1 WHERE id = $1")
+                .bind(&row)
+                .execute(cx.db())
+                .await?;
+            let id = cx.message_id().to_string();
+            record(cx.db(), &id).await?;
+            if id.ends_with("-0") {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_deadlock_between_batches_turns_batching_off_for_a_while() {
+        let db = db().await;
+        sqlx::raw_sql("CREATE TABLE hot (id text PRIMARY KEY, n bigint NOT NULL); INSERT INTO hot VALUES ('A', 0), ('B', 0);")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let broker = MemoryBroker::new("batch");
+        // Lane x locks A then B, lane y B then A: their batches deadlock.
+        broker.publish_in_lane("x", "x-0", "A");
+        broker.publish_in_lane("x", "x-1", "B");
+        broker.publish_in_lane("y", "y-0", "B");
+        broker.publish_in_lane("y", "y-1", "A");
+        let run = tokio::spawn(consumer("hot", &db, &broker, Hot).run());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while db
+            .scalar("SELECT count(DISTINCT message_id) FROM batch_effects")
+            .await
+            < 4
+        {
+            assert!(Instant::now() < deadline, "the deadlocked batches finish");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Within the cool-down a new lane's messages run one per transaction, although the
+        // linger would otherwise gather them into one batch.
+        for i in 0..3 {
+            broker.publish_in_lane("z", format!("z-{i}"), "A");
+        }
+        broker.close();
+        run.await.unwrap().unwrap();
+
+        let fx = effects(&db).await;
+        assert_eq!(fx.len(), 7);
+        assert!(fx.values().all(|(n, _)| *n == 1), "each applied once: {fx:?}");
+        assert_eq!(db.scalar("SELECT sum(n)::bigint FROM hot").await, 7);
+        let z: std::collections::HashSet<i64> = ["z-0", "z-1", "z-2"].iter().map(|id| fx[*id].1[0]).collect();
+        assert_eq!(z.len(), 3, "after the deadlock, no batching: {fx:?}");
+    }
+
     /// One statement for the whole batch; `handle` for messages that travel alone.
     #[derive(Clone, Default)]
     struct Bulk {
