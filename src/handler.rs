@@ -54,6 +54,14 @@ pub trait Handler<DB: sqlx::Database>: Send + Sync + 'static {
     ///
     /// A panic is caught and treated as a transient error; the transaction is rolled back.
     async fn handle(&self, cx: &mut Context<'_, DB>, msg: &Message) -> Result<(), HandlerError>;
+
+    /// The bulk form of this handler, if it has one (see [`BatchHandler`]). The default,
+    /// `None`, makes the runtime call [`handle`](Self::handle) once per new message of a
+    /// micro-batch, in lane order, on the batch's transaction. Return `Some(self)` from a type
+    /// that also implements [`BatchHandler`].
+    fn batch(&self) -> Option<&dyn BatchHandler<DB>> {
+        None
+    }
 }
 
 /// What a handler gets besides the message: the open transaction and facts about the attempt.
@@ -198,6 +206,17 @@ impl HandlerError {
     pub(crate) fn reason(&self) -> DeadLetterReason {
         self.reason
     }
+
+    /// Whether the error is a database lock conflict rather than the message's fault:
+    /// a deadlock, a serialization failure or a lock timeout (PostgreSQL 40P01, 40001, 55P03).
+    pub(crate) fn is_contention(&self) -> bool {
+        match self.source.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Database(db)) => {
+                matches!(db.code().as_deref(), Some("40P01" | "40001" | "55P03"))
+            }
+            _ => false,
+        }
+    }
 }
 
 impl<E> From<E> for HandlerError
@@ -221,5 +240,122 @@ impl fmt::Debug for HandlerError {
 impl fmt::Display for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.source, f)
+    }
+}
+
+/// A handler that applies all new messages of a micro-batch at once: one `INSERT … SELECT FROM
+/// UNNEST(…)` or `COPY` instead of one statement per message.
+///
+/// It is the optional companion of a [`Handler`]: implement both on one type and return
+/// `Some(self)` from [`Handler::batch`]. The runtime calls
+/// [`handle_batch`](BatchHandler::handle_batch) with every message of a batch the inbox claimed
+/// as new (duplicates are left out), in lane order, on the batch's transaction. It calls
+/// [`Handler::handle`] instead for a message that travels alone: a batch of one, a retry, and
+/// every message of a batch whose `handle_batch` failed.
+///
+/// # Failure
+///
+/// An error (or a panic) rolls the whole batch back. The runtime cannot tell which message
+/// caused it, so it processes each of that batch's messages once more, one at a time, through
+/// [`Handler::handle`]; only those attempts count, retry and dead-letter. `handle_batch` must
+/// therefore have the same effect as calling `handle` for each message in order.
+///
+/// ```no_run
+/// use txinbox::{BatchContext, BatchHandler, BatchMessage, Context, Handler, HandlerError, Message};
+///
+/// struct Effects;
+///
+/// #[txinbox::async_trait]
+/// impl Handler<sqlx::Postgres> for Effects {
+///     async fn handle(&self, cx: &mut Context<'_, sqlx::Postgres>, msg: &Message) -> Result<(), HandlerError> {
+///         sqlx::query("INSERT INTO effects (message_id, body) VALUES ($1, $2)")
+///             .bind(cx.message_id().as_str())
+///             .bind(&msg.payload()[..])
+///             .execute(cx.db())
+///             .await?;
+///         Ok(())
+///     }
+///     fn batch(&self) -> Option<&dyn BatchHandler<sqlx::Postgres>> {
+///         Some(self)
+///     }
+/// }
+///
+/// #[txinbox::async_trait]
+/// impl BatchHandler<sqlx::Postgres> for Effects {
+///     async fn handle_batch(
+///         &self,
+///         cx: &mut BatchContext<'_, sqlx::Postgres>,
+///         batch: &[BatchMessage<'_>],
+///     ) -> Result<(), HandlerError> {
+///         let ids: Vec<&str> = batch.iter().map(|m| m.id().as_str()).collect();
+///         let bodies: Vec<&[u8]> = batch.iter().map(|m| &m.message().payload()[..]).collect();
+///         sqlx::query("INSERT INTO effects (message_id, body) SELECT * FROM UNNEST($1::text[], $2::bytea[])")
+///             .bind(ids)
+///             .bind(bodies)
+///             .execute(cx.db())
+///             .await?;
+///         Ok(())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait BatchHandler<DB: sqlx::Database>: Send + Sync + 'static {
+    /// Applies the effects of every message in `batch` using `cx.db()`. Must not end the
+    /// transaction.
+    async fn handle_batch(
+        &self,
+        cx: &mut BatchContext<'_, DB>,
+        batch: &[BatchMessage<'_>],
+    ) -> Result<(), HandlerError>;
+}
+
+/// What a [`BatchHandler`] gets besides the messages: the batch's open transaction.
+pub struct BatchContext<'a, DB: sqlx::Database> {
+    pub(crate) conn: &'a mut DB::Connection,
+    pub(crate) consumer: &'a str,
+}
+
+impl<DB: sqlx::Database> BatchContext<'_, DB> {
+    /// The connection holding the batch's transaction (the inbox rows of every message in it).
+    pub fn db(&mut self) -> &mut DB::Connection {
+        self.conn
+    }
+
+    /// The consumer's name.
+    pub fn consumer(&self) -> &str {
+        self.consumer
+    }
+}
+
+impl<DB: sqlx::Database> fmt::Debug for BatchContext<'_, DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BatchContext")
+            .field("consumer", &self.consumer)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One new message of a batch, with what [`Context`] would tell about it.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchMessage<'a> {
+    pub(crate) message: &'a Message,
+    pub(crate) id: &'a MessageId,
+    pub(crate) attempt: u32,
+}
+
+impl<'a> BatchMessage<'a> {
+    /// The message.
+    pub fn message(&self) -> &'a Message {
+        self.message
+    }
+
+    /// The message ID the inbox deduplicates on.
+    pub fn id(&self) -> &'a MessageId {
+        self.id
+    }
+
+    /// Which attempt this is, starting at 1 (see [`Context::attempt`]).
+    pub fn attempt(&self) -> u32 {
+        self.attempt
     }
 }

@@ -28,6 +28,9 @@
 //!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
 //! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction;
 //!   [`Router`] to run several handlers in one consumer, by message type or destination.
+//! - [`BatchHandler`]: optional bulk form of a handler for micro-batches (one `UNNEST` or
+//!   `COPY` for all new messages of a batch); batching itself is on by default
+//!   ([`ConsumerBuilder::batch_size`]).
 //! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
 //!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
@@ -75,7 +78,9 @@ pub mod outbox;
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
+pub use consumer::{DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE};
 pub use error::Error;
+pub use handler::{BatchContext, BatchHandler, BatchMessage};
 pub use handler::{Context, Handler, HandlerError};
 pub use message::{Fingerprint, Headers, IdStrategy, Message, MessageId, MissingId, Origin, MAX_ID_LEN};
 pub use retry::RetryPolicy;

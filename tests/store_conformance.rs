@@ -269,6 +269,137 @@ where
     assert_eq!(second.await.unwrap(), Claim::New { attempt: 1 });
 }
 
+/// The batch claim contract: `claim_batch` decides every entry as `claim` would, in order, in
+/// one transaction, including repeats of one key inside the batch; `confirm_batch` sees the
+/// batch's rows.
+async fn batch_suite<S: InboxStore>(store: Arc<S>) {
+    let c = "batch";
+    // State before the batch: "done" processed, "dead" dead-lettered, "retry" failed once.
+    let done = Keyed::new("done", "p-done");
+    assert_eq!(
+        claim(&*store, &done.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+    let dead = Keyed::new("dead", "p-dead");
+    let record = DeadLetterRecord {
+        consumer: c,
+        entry: Some(dead.entry(c)),
+        message: &dead.msg,
+        reason: DeadLetterReason::Permanent,
+        error: "bad",
+        attempts: 1,
+    };
+    assert_eq!(
+        store.dead_letter(&record).await.unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    let retry = Keyed::new("retry", "p-retry");
+    assert_eq!(
+        store.record_failure(&retry.entry(c), "once").await.unwrap(),
+        Some(1)
+    );
+
+    let x = Keyed::new("x", "p-x");
+    let y = Keyed::new("y", "p-y");
+    let y_other = Keyed::new("y", "p-y2");
+    let done_other = Keyed::new("done", "p-done2");
+    let batch = [
+        &x,          // new
+        &done,       // duplicate of a committed row
+        &x,          // the same ID again, same payload: a duplicate of the first occurrence
+        &y,          // new
+        &y_other,    // the same ID again, other payload: a conflict with the first occurrence
+        &dead,       // a redelivered dead letter
+        &retry,      // a retrying row: claimed, attempt 2
+        &done_other, // conflict with a committed row
+        &x,          // a third occurrence
+    ];
+    let entries: Vec<Entry<'_>> = batch.iter().map(|k| k.entry(c)).collect();
+    let expected = vec![
+        Claim::New { attempt: 1 },
+        Claim::Duplicate(InboxStatus::Processed),
+        Claim::Duplicate(InboxStatus::Processed),
+        Claim::New { attempt: 1 },
+        Claim::Conflict,
+        Claim::Duplicate(InboxStatus::DeadLettered),
+        Claim::New { attempt: 2 },
+        Claim::Conflict,
+        Claim::Duplicate(InboxStatus::Processed),
+    ];
+
+    // Rolled back: nothing stays, and the same batch decides the same way again.
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(store.claim_batch(&mut *tx, &entries).await.unwrap(), expected);
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        claim(&*store, &x.entry(c), false).await,
+        Claim::New { attempt: 1 }
+    );
+
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(store.claim_batch(&mut *tx, &entries).await.unwrap(), expected);
+    let claimed = [x.entry(c), y.entry(c), retry.entry(c)];
+    assert!(store.confirm_batch(&mut *tx, &claimed).await.unwrap());
+    let not_claimed = Keyed::new("never", "p-never");
+    assert!(
+        !store
+            .confirm_batch(&mut *tx, &[x.entry(c), not_claimed.entry(c)])
+            .await
+            .unwrap(),
+        "a key the batch does not hold is not confirmed"
+    );
+    store.commit(tx).await.unwrap();
+    for k in [&x, &y, &retry] {
+        assert_eq!(
+            claim(&*store, &k.entry(c), false).await,
+            Claim::Duplicate(InboxStatus::Processed)
+        );
+    }
+    assert_eq!(claim(&*store, &y_other.entry(c), false).await, Claim::Conflict);
+
+    // Two concurrent batches sharing a key: the second waits for the first, then sees it.
+    let p = Arc::new(Keyed::new("p", "p-p"));
+    let q = Arc::new(Keyed::new("q", "p-q"));
+    let mut first = store.begin().await.unwrap();
+    assert_eq!(
+        store
+            .claim_batch(&mut *first, &[p.entry(c), q.entry(c)])
+            .await
+            .unwrap(),
+        [Claim::New { attempt: 1 }, Claim::New { attempt: 1 }]
+    );
+    let second = {
+        let (store, p, q) = (store.clone(), p.clone(), q.clone());
+        tokio::spawn(async move {
+            let r = Keyed::new("r", "p-r");
+            let mut tx = store.begin().await.unwrap();
+            let claims = store
+                .claim_batch(&mut *tx, &[r.entry("batch"), q.entry("batch"), p.entry("batch")])
+                .await
+                .unwrap();
+            store.commit(tx).await.unwrap();
+            claims
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "the second batch must wait for the first");
+    store.commit(first).await.unwrap();
+    assert_eq!(
+        second.await.unwrap(),
+        [
+            Claim::New { attempt: 1 },
+            Claim::Duplicate(InboxStatus::Processed),
+            Claim::Duplicate(InboxStatus::Processed)
+        ]
+    );
+
+    // An empty batch claims nothing.
+    let mut tx = store.begin().await.unwrap();
+    assert!(store.claim_batch(&mut *tx, &[]).await.unwrap().is_empty());
+    assert!(store.confirm_batch(&mut *tx, &[]).await.unwrap());
+    tx.rollback().await.unwrap();
+}
+
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_conforms() {
@@ -311,6 +442,7 @@ async fn postgres_store_conforms() {
         },
     )
     .await;
+    batch_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
     pool.close().await;
     conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)")))
         .await
@@ -329,7 +461,7 @@ async fn sqlite_store_conforms() {
         .await
         .expect("re-running is a no-op");
     let pool = store.pool().clone();
-    suite(Arc::new(store), move |reason| {
+    suite(Arc::new(store.clone()), move |reason| {
         let pool = pool.clone();
         async move {
             sqlx::query_scalar("SELECT count(*) FROM txinbox_dead_letters WHERE reason = ?1")
@@ -340,5 +472,6 @@ async fn sqlite_store_conforms() {
         }
     })
     .await;
+    batch_suite(Arc::new(store)).await;
     std::fs::remove_dir_all(dir).unwrap();
 }

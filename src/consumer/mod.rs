@@ -2,18 +2,28 @@
 //! ([`process`]) and settles it.
 //!
 //! Scheduling: one intake task calls [`MessageSource::receive`] while fewer than
-//! `max_in_flight` deliveries are unsettled and the database is healthy. The scheduler runs
-//! each delivery in its own task, at most `concurrency` at a time; deliveries of one
-//! [`Lane::Ordered`] lane wait for their predecessor, so a lane is processed in receive order
-//! while different lanes run concurrently.
+//! `max_in_flight` deliveries are unsettled and the database is healthy. The scheduler queues
+//! deliveries per [`Lane::Ordered`] lane and runs one task per lane at a time, so a lane is
+//! processed in receive order while different lanes run concurrently. [`Lane::Unordered`]
+//! deliveries share one queue served by up to `concurrency` tasks. At most `concurrency`
+//! transactions are open at once (a semaphore).
+//!
+//! Micro-batching: a task takes what is already queued for its lane, up to `batch_size`
+//! deliveries, and processes them in one transaction ([`process::process_batch`]). With a
+//! `batch_linger`, a lane with fewer queued waits up to that long for more before it starts.
+//! Under load a lane's queue fills while its previous transaction commits, so batches form by
+//! themselves; an idle consumer sends a lone message at once.
 
 mod process;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -28,10 +38,18 @@ use crate::telemetry;
 
 /// Default for [`ConsumerBuilder::concurrency`].
 pub const DEFAULT_CONCURRENCY: usize = 8;
-/// Default for [`ConsumerBuilder::max_in_flight`].
-pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+/// Default for [`ConsumerBuilder::max_in_flight`]: room for every concurrent transaction to
+/// take a full batch ([`DEFAULT_CONCURRENCY`] × [`DEFAULT_BATCH_SIZE`]) with some to spare.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 /// Default for [`ConsumerBuilder::max_message_bytes`]: 1 MiB.
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
+/// Default for [`ConsumerBuilder::batch_size`]: up to 100 messages share one transaction.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
+/// How long micro-batching stays off after a batch lost a lock conflict (deadlock,
+/// serialization failure, lock timeout) before it grows back.
+const CONTENTION_COOLDOWN: Duration = Duration::from_secs(5);
+/// Default for [`ConsumerBuilder::batch_linger`]: zero, a batch is what is already queued.
+pub const DEFAULT_BATCH_LINGER: Duration = Duration::ZERO;
 
 /// A consumer: one source, one inbox store, one handler.
 ///
@@ -69,6 +87,8 @@ pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     concurrency: usize,
     max_in_flight: usize,
     max_message_bytes: usize,
+    batch_size: usize,
+    batch_linger: Duration,
 }
 
 impl Consumer<(), (), ()> {
@@ -89,6 +109,8 @@ impl Consumer<(), (), ()> {
             concurrency: DEFAULT_CONCURRENCY,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            batch_size: DEFAULT_BATCH_SIZE,
+            batch_linger: DEFAULT_BATCH_LINGER,
         }
     }
 }
@@ -107,6 +129,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            batch_size: self.batch_size,
+            batch_linger: self.batch_linger,
         }
     }
 
@@ -123,6 +147,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            batch_size: self.batch_size,
+            batch_linger: self.batch_linger,
         }
     }
 
@@ -139,6 +165,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            batch_size: self.batch_size,
+            batch_linger: self.batch_linger,
         }
     }
 
@@ -169,9 +197,34 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     }
 
     /// How many deliveries may be received and not yet settled; intake waits beyond it.
-    /// Default: 256.
+    /// Default: 1024. Batches are taken from what is received, so keep it at least
+    /// `concurrency × batch_size` for full batches.
     pub fn max_in_flight(mut self, n: usize) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// Most messages of one lane that share a transaction (micro-batching). A task takes what
+    /// is already queued for its lane, up to this many; `1` turns batching off. Default: 100.
+    ///
+    /// A batch is processed as if its messages ran one at a time in lane order: one batched
+    /// inbox claim, the handler for each new message (or [`BatchHandler`](crate::BatchHandler)
+    /// once for all of them), one position, one COMMIT, then every delivery is settled. If a
+    /// message needs the one-message path (its handler failed, a conflict, a redelivered dead
+    /// letter), the batch is rolled back and re-run without it: the messages before it as a
+    /// batch, it alone (where its attempt counts, retries or dead-letters), then the rest. If
+    /// the culprit cannot be known (the check before COMMIT or the COMMIT failed, a batch
+    /// handler failed), each message of the batch runs alone.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// How long a lane with fewer than [`batch_size`](Self::batch_size) queued messages waits
+    /// for more before its transaction starts. Default: zero: batches form from what queues up
+    /// while the previous transaction of the lane commits, and a lone message is never delayed.
+    pub fn batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
         self
     }
 
@@ -214,6 +267,11 @@ where
                 self.max_in_flight, self.concurrency
             )));
         }
+        if self.batch_size == 0 {
+            return Err(Error::Config(
+                "batch_size must be at least 1 (1 turns micro-batching off)".into(),
+            ));
+        }
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
@@ -233,6 +291,11 @@ where
                 fingerprint: self.fingerprint,
                 retry: self.retry,
                 max_message_bytes: self.max_message_bytes,
+                batch_size: self.batch_size,
+                batch_limit: AtomicUsize::new(self.batch_size),
+                contended_at: AtomicU64::new(0),
+                started: std::time::Instant::now() - CONTENTION_COOLDOWN,
+                batch_linger: self.batch_linger,
                 concurrency: Semaphore::new(self.concurrency),
                 concurrency_limit: self.concurrency,
                 healthy,
@@ -270,6 +333,14 @@ pub(crate) struct Shared<St, H> {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_message_bytes: usize,
+    batch_size: usize,
+    /// The batch size in force: `batch_size`, halved by each batch cut by lock contention and
+    /// grown back by committed batches (see [`Shared::batch_limit`]).
+    batch_limit: AtomicUsize,
+    /// When a batch was last cut by lock contention, in ms since `started` (0: never).
+    contended_at: AtomicU64,
+    started: std::time::Instant,
+    batch_linger: Duration,
     pub(crate) concurrency: Semaphore,
     concurrency_limit: usize,
     /// `false` while the inbox database is unreachable: intake pauses.
@@ -304,6 +375,35 @@ impl<St, H> Shared<St, H> {
         tracing::error!(consumer = %self.name, %error, "stopping consumer");
         self.fatal.lock().unwrap().get_or_insert(error);
         self.shutdown.cancel();
+    }
+
+    /// How many messages a batch may hold now. Batches of different lanes whose handlers write
+    /// the same rows in different orders deadlock (each costing PostgreSQL's
+    /// `deadlock_timeout`, 1 s by default), and the more rows a transaction holds the likelier
+    /// that is. So a batch cut by lock contention turns batching off (size 1) for
+    /// [`CONTENTION_COOLDOWN`]; after it, every committed batch grows the size by an eighth (at
+    /// least 1) back up to `batch_size`.
+    pub(crate) fn batch_limit(&self) -> usize {
+        self.batch_limit.load(Ordering::Relaxed)
+    }
+
+    /// Adapts [`batch_limit`](Self::batch_limit) to a batch's outcome.
+    pub(crate) fn batch_contended(&self, contended: bool) {
+        let now = self.started.elapsed().as_millis() as u64;
+        if contended {
+            self.contended_at.store(now, Ordering::Relaxed);
+            self.batch_limit.store(1, Ordering::Relaxed);
+            return;
+        }
+        let since = now.saturating_sub(self.contended_at.load(Ordering::Relaxed));
+        if self.batch_limit() < self.batch_size && since >= CONTENTION_COOLDOWN.as_millis() as u64 {
+            let max = self.batch_size;
+            let _ = self
+                .batch_limit
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some((n + (n / 8).max(1)).min(max))
+                });
+        }
     }
 
     /// Sleeps `delay`, or returns `false` at once if shutdown starts.
@@ -374,17 +474,18 @@ where
         let _stop_intake = shared.shutdown.clone().drop_guard();
 
         let mut tasks = JoinSet::new();
-        let mut task_lanes: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
-        // A lane is present while a task of it runs; its queue holds the deliveries after it.
-        let mut lanes: HashMap<Arc<str>, VecDeque<InFlight<Src::Delivery>>> = HashMap::new();
-        // Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
-        // it), so their later deliveries are dropped unsettled too and will be redelivered.
-        let mut stopped_lanes: HashSet<Arc<str>> = HashSet::new();
+        let mut sched = Scheduler {
+            lanes: HashMap::new(),
+            task_lanes: HashMap::new(),
+            stopped_lanes: HashSet::new(),
+            lingering: FuturesUnordered::new(),
+            generation: 0,
+        };
         let mut intake_open = true;
         tokio::pin!(shutdown);
         let mut signalled = false;
 
-        while intake_open || !tasks.is_empty() {
+        while intake_open || !tasks.is_empty() || !sched.lingering.is_empty() {
             tokio::select! {
                 _ = &mut shutdown, if !signalled => {
                     signalled = true;
@@ -393,25 +494,27 @@ where
                 }
                 item = rx.recv(), if intake_open => match item {
                     Some(item) => {
-                        let lane = match crate::source::Delivery::lane(&item.delivery) {
+                        let key = match crate::source::Delivery::lane(&item.delivery) {
                             Lane::Unordered => None,
                             Lane::Ordered(key) => Some(key),
                         };
-                        match lane {
-                            Some(key) if stopped_lanes.contains(&key) => drop(item),
-                            Some(key) if lanes.contains_key(&key) => lanes.get_mut(&key).unwrap().push_back(item),
-                            Some(key) => {
-                                lanes.insert(key.clone(), VecDeque::new());
-                                let id = spawn_task(&mut tasks, &shared, item);
-                                task_lanes.insert(id, key);
-                            }
-                            None => {
-                                spawn_task(&mut tasks, &shared, item);
-                            }
+                        if key.as_ref().is_some_and(|k| sched.stopped_lanes.contains(k)) {
+                            drop(item); // unsettled: redelivered after the delivery it must follow
+                        } else {
+                            sched.lanes.entry(key.clone()).or_default().queue.push_back(item);
+                            sched.pump(&key, &mut tasks, &shared);
                         }
                     }
                     None => intake_open = false,
                 },
+                Some((key, generation)) = sched.lingering.next(), if !sched.lingering.is_empty() => {
+                    if let Some(lane) = sched.lanes.get_mut(&key) {
+                        if lane.linger == Linger::Waiting(generation) {
+                            lane.linger = Linger::Expired;
+                            sched.pump(&key, &mut tasks, &shared);
+                        }
+                    }
+                }
                 Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
                     let (id, settled) = match done {
                         Ok((id, settled)) => (id, settled),
@@ -424,14 +527,16 @@ where
                             (e.id(), false)
                         }
                     };
-                    if let Some(key) = task_lanes.remove(&id) {
-                        let mut queue = lanes.remove(&key).expect("a running lane has a queue");
-                        if !settled {
-                            stopped_lanes.insert(key); // and `queue` is dropped unsettled
-                        } else if let Some(next) = queue.pop_front() {
-                            let id = spawn_task(&mut tasks, &shared, next);
-                            task_lanes.insert(id, key.clone());
-                            lanes.insert(key, queue);
+                    if let Some(key) = sched.task_lanes.remove(&id) {
+                        let lane = sched.lanes.get_mut(&key).expect("a running lane has a queue");
+                        lane.running -= 1;
+                        match &key {
+                            // Its queue is dropped unsettled: nothing may overtake the delivery.
+                            Some(ordered) if !settled => {
+                                sched.lanes.remove(&key);
+                                sched.stopped_lanes.insert(ordered.clone());
+                            }
+                            _ => sched.pump(&key, &mut tasks, &shared),
                         }
                     }
                 }
@@ -452,23 +557,102 @@ where
     }
 }
 
-fn spawn_task<D, St, H>(
-    tasks: &mut JoinSet<bool>,
-    shared: &Arc<Shared<St, H>>,
-    item: InFlight<D>,
-) -> tokio::task::Id
-where
-    D: crate::source::Delivery,
-    St: InboxStore,
-    H: Handler<St::Db>,
-{
-    let shared = shared.clone();
-    tasks
-        .spawn(async move {
-            let InFlight { delivery, _slot } = item;
-            process::process(&shared, delivery).await
-        })
-        .id()
+/// A lane's key in the scheduler: `None` is the shared queue of unordered deliveries.
+type LaneKey = Option<Arc<str>>;
+
+/// A running linger: resolves to its lane and the generation that started it.
+type LingerTimer = Pin<Box<dyn Future<Output = (LaneKey, u64)> + Send>>;
+
+/// The per-lane queues and the tasks serving them.
+struct Scheduler<D> {
+    lanes: HashMap<LaneKey, LaneQueue<D>>,
+    task_lanes: HashMap<tokio::task::Id, LaneKey>,
+    /// Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
+    /// it), so their later deliveries are dropped unsettled too and will be redelivered.
+    stopped_lanes: HashSet<Arc<str>>,
+    /// Linger timers: the lane and the generation that started it.
+    lingering: FuturesUnordered<LingerTimer>,
+    generation: u64,
+}
+
+struct LaneQueue<D> {
+    queue: VecDeque<InFlight<D>>,
+    running: usize,
+    linger: Linger,
+}
+
+impl<D> Default for LaneQueue<D> {
+    fn default() -> Self {
+        LaneQueue {
+            queue: VecDeque::new(),
+            running: 0,
+            linger: Linger::Idle,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Linger {
+    Idle,
+    /// A timer of this generation runs; the lane waits for more deliveries.
+    Waiting(u64),
+    /// The timer fired: start with what is queued.
+    Expired,
+}
+
+impl<D: crate::source::Delivery> Scheduler<D> {
+    /// Starts tasks for `key` while it has queued deliveries and room to run: one task at a time
+    /// for an ordered lane, up to `concurrency` for the unordered queue. Each task takes up to
+    /// `batch_size` queued deliveries. Forgets a lane that has nothing queued or running.
+    fn pump<St, H>(&mut self, key: &LaneKey, tasks: &mut JoinSet<bool>, shared: &Arc<Shared<St, H>>)
+    where
+        St: InboxStore,
+        H: Handler<St::Db>,
+    {
+        let Some(lane) = self.lanes.get_mut(key) else {
+            return;
+        };
+        let max_running = if key.is_some() {
+            1
+        } else {
+            shared.concurrency_limit
+        };
+        while lane.running < max_running && !lane.queue.is_empty() {
+            let limit = shared.batch_limit();
+            if lane.queue.len() < limit && !shared.batch_linger.is_zero() {
+                match lane.linger {
+                    Linger::Idle => {
+                        self.generation += 1;
+                        let (generation, linger, key) = (self.generation, shared.batch_linger, key.clone());
+                        lane.linger = Linger::Waiting(generation);
+                        self.lingering.push(Box::pin(async move {
+                            tokio::time::sleep(linger).await;
+                            (key, generation)
+                        }));
+                        break;
+                    }
+                    Linger::Waiting(_) => break,
+                    Linger::Expired => {}
+                }
+            }
+            lane.linger = Linger::Idle;
+            let n = lane.queue.len().min(limit);
+            let batch: Vec<InFlight<D>> = lane.queue.drain(..n).collect();
+            lane.running += 1;
+            let shared = shared.clone();
+            let id = tasks
+                .spawn(async move {
+                    let (deliveries, _slots): (Vec<D>, Vec<Slot>) =
+                        batch.into_iter().map(|i| (i.delivery, i._slot)).unzip();
+                    process::process_batch(&shared, deliveries).await
+                })
+                .id();
+            self.task_lanes.insert(id, key.clone());
+        }
+        if lane.running == 0 && lane.queue.is_empty() {
+            self.lanes.remove(key);
+        }
+    }
 }
 
 /// Receives while there is room and the database is healthy; returns the source at the end.

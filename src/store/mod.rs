@@ -57,6 +57,49 @@ pub trait InboxStore: Send + Sync + 'static {
     /// *without an error*, so the runtime would ack a message whose effects are gone.
     async fn confirm(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<bool, StoreError>;
 
+    /// Claims several entries in one transaction, as if [`claim`](Self::claim) ran for each in
+    /// order: the result has one [`Claim`] per entry, in the same order. This is the batch's
+    /// deduplication decision and the first statement of its transaction (micro-batching, see
+    /// the consumer's `batch_size`).
+    ///
+    /// The same key may occur more than once: a later occurrence sees the row as the earlier
+    /// ones left it, so it is a [`Duplicate`](Claim::Duplicate) of a claimed first occurrence
+    /// with the same fingerprint, or a [`Conflict`](Claim::Conflict) with another one; the call
+    /// must not fail because of it. A later occurrence whose outcome depends on a row an earlier
+    /// occurrence could not claim (a `retrying` row) may be reported as
+    /// `Duplicate(InboxStatus::Retrying)`: the runtime then claims it on its own.
+    ///
+    /// The default runs [`claim`](Self::claim) once per entry in the one transaction (same
+    /// semantics, one round trip each); [`PostgresInbox`](crate::PostgresInbox) claims the whole
+    /// batch with one `INSERT … SELECT FROM UNNEST(…) ON CONFLICT` statement.
+    async fn claim_batch(
+        &self,
+        conn: &mut Connection<Self>,
+        entries: &[Entry<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let mut claims = Vec::with_capacity(entries.len());
+        for entry in entries {
+            claims.push(self.claim(conn, entry).await?);
+        }
+        Ok(claims)
+    }
+
+    /// [`confirm`](Self::confirm) for every entry a batch claimed as new (distinct keys):
+    /// `Ok(false)` unless the transaction still holds all of their rows. The default checks
+    /// them one by one.
+    async fn confirm_batch(
+        &self,
+        conn: &mut Connection<Self>,
+        entries: &[Entry<'_>],
+    ) -> Result<bool, StoreError> {
+        for entry in entries {
+            if !self.confirm(conn, entry).await? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Stores `position.next` as the consumer's next position for the position's lane.
     async fn save_position(
         &self,
@@ -151,6 +194,50 @@ impl Claim {
             )),
         }
     }
+}
+
+/// Resolves a batch claim from what one set-based statement saw: `claimed` holds the attempt of
+/// every key the statement inserted or took over, `existing` the `(status, fingerprint)` of
+/// every other key (read after the statement). Each key was sent once, for its first
+/// occurrence; later occurrences are decided against the row as the earlier ones left it.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn resolve_batch(
+    entries: &[Entry<'_>],
+    claimed: &std::collections::HashMap<&str, u32>,
+    existing: &std::collections::HashMap<String, (String, Vec<u8>)>,
+) -> Result<Vec<Claim>, StoreError> {
+    // Per key: the row's (status, fingerprint) after the occurrences decided so far.
+    let mut rows: std::collections::HashMap<&str, (InboxStatus, [u8; 32])> = std::collections::HashMap::new();
+    let mut claims = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let key = entry.id.as_str();
+        let claim = match rows.get(key) {
+            // A later occurrence of a key seen earlier in this batch.
+            Some((_, fp)) if fp != entry.fingerprint => Claim::Conflict,
+            Some((status, _)) => Claim::Duplicate(*status),
+            None => match claimed.get(key) {
+                Some(&attempt) => Claim::New { attempt },
+                None => Claim::from_existing(existing.get(key).cloned(), entry)?,
+            },
+        };
+        if !rows.contains_key(key) {
+            let row = match claim {
+                Claim::New { .. } => (InboxStatus::Processed, *entry.fingerprint),
+                _ => {
+                    let (status, fp) = existing.get(key).expect("decided from an existing row");
+                    let mut fingerprint = [0u8; 32];
+                    if fp.len() == 32 {
+                        fingerprint.copy_from_slice(fp);
+                    }
+                    let status = InboxStatus::parse(status).unwrap_or(InboxStatus::Processed);
+                    (status, fingerprint)
+                }
+            };
+            rows.insert(key, row);
+        }
+        claims.push(claim);
+    }
+    Ok(claims)
 }
 
 /// The state of an inbox row.

@@ -8,6 +8,7 @@ use sqlx::{Postgres, Transaction};
 
 use super::{headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::source::{DeadLetterReason, Position};
+use std::collections::{HashMap, HashSet};
 
 /// The schema that holds txinbox's tables and its migration ledger.
 pub const SCHEMA: &str = "txinbox";
@@ -91,6 +92,23 @@ ON CONFLICT (consumer, message_id) DO UPDATE
     SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
     WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
 RETURNING i.attempts";
+
+/// The batch claim: [`CLAIM`] for many keys in one statement. Keys arrive once each (first
+/// occurrences) and are inserted in key order, so concurrent batches take their row locks in
+/// the same order and cannot deadlock on each other.
+const CLAIM_BATCH: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
+     source_system, destination, source_partition, source_offset)
+SELECT $1, t.message_id, t.id_strategy, t.fingerprint, 'processed', 1, now(),
+       t.source_system, t.destination, t.source_partition, t.source_offset
+FROM UNNEST($2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::int4[], $8::int8[])
+    AS t(message_id, id_strategy, fingerprint, source_system, destination, source_partition, source_offset)
+ORDER BY t.message_id
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
+RETURNING i.message_id, i.attempts";
 
 const RECORD_FAILURE: &str = "\
 INSERT INTO txinbox.inbox AS i
@@ -179,6 +197,84 @@ impl InboxStore for PostgresInbox {
         .await
         .map_err(classify)?;
         Claim::from_existing(row, entry)
+    }
+
+    async fn claim_batch(
+        &self,
+        conn: &mut PgConnection,
+        entries: &[Entry<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let Some(first) = entries.first() else {
+            return Ok(Vec::new());
+        };
+        let consumer = first.consumer;
+        assert!(
+            entries.iter().all(|e| e.consumer == consumer),
+            "one batch belongs to one consumer"
+        );
+        // NOTE: ON CONFLICT DO UPDATE cannot touch one row twice in a statement ("command cannot
+        // affect row a second time"), so each key is sent once; `resolve_batch` decides later
+        // occurrences against the row as the first one left it.
+        let mut seen = HashSet::with_capacity(entries.len());
+        let unique: Vec<&Entry<'_>> = entries.iter().filter(|e| seen.insert(e.id.as_str())).collect();
+        let claimed: Vec<(String, i32)> = sqlx::query_as(CLAIM_BATCH)
+            .bind(consumer)
+            .bind(unique.iter().map(|e| e.id.as_str()).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| e.id.strategy()).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| &e.fingerprint[..]).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| e.origin.system).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| &*e.origin.destination).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| e.origin.partition).collect::<Vec<_>>())
+            .bind(unique.iter().map(|e| e.origin.offset).collect::<Vec<_>>())
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(classify)?;
+        let claimed: HashMap<&str, u32> = claimed
+            .iter()
+            .map(|(id, attempts)| (id.as_str(), *attempts as u32))
+            .collect();
+        let mut existing = HashMap::new();
+        if claimed.len() < unique.len() {
+            // As in `claim`: a new statement, so a new snapshot that sees the rows that blocked
+            // the insert.
+            let others: Vec<&str> = unique
+                .iter()
+                .map(|e| e.id.as_str())
+                .filter(|id| !claimed.contains_key(id))
+                .collect();
+            let rows: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
+                "SELECT message_id, status, fingerprint FROM txinbox.inbox WHERE consumer = $1 AND message_id = ANY($2)",
+            )
+            .bind(consumer)
+            .bind(others)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(classify)?;
+            existing = rows.into_iter().map(|(id, st, fp)| (id, (st, fp))).collect();
+        }
+        super::resolve_batch(entries, &claimed, &existing)
+    }
+
+    async fn confirm_batch(
+        &self,
+        conn: &mut PgConnection,
+        entries: &[Entry<'_>],
+    ) -> Result<bool, StoreError> {
+        let Some(first) = entries.first() else {
+            return Ok(true);
+        };
+        let found = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM txinbox.inbox WHERE consumer = $1 AND message_id = ANY($2) AND status = 'processed'",
+        )
+        .bind(first.consumer)
+        .bind(entries.iter().map(|e| e.id.as_str()).collect::<Vec<_>>())
+        .fetch_one(conn)
+        .await;
+        match found {
+            Ok(n) => Ok(n == entries.len() as i64),
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
+            Err(e) => Err(classify(e)),
+        }
     }
 
     async fn confirm(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {

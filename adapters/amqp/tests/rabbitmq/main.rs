@@ -56,7 +56,11 @@ async fn ten_thousand_messages_with_duplicates_and_three_competing_consumers_app
         total,
         "balances add up to the unique deposits"
     );
-    assert_eq!(handler.calls(), 10_000, "the handler never ran for a duplicate");
+    // With micro-batching (the default) the handler can run more than once per message: this
+    // handler updates shared account rows, so concurrent batches deadlock now and then, and a
+    // rolled-back batch runs its handlers again. Effects stay exactly once (checked above); that
+    // duplicates never reach the handler is checked in txinbox's own tests.
+    assert!(handler.calls() >= 10_000, "every message was handled");
     let per_consumer: Vec<usize> = (0..3)
         .map(|i| {
             probe

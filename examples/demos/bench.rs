@@ -1,0 +1,1005 @@
+//! Side-by-side throughput benchmark, one process, one table: for each source (the in-memory
+//! broker, Kafka, RabbitMQ) raw consumption without an inbox (the ceiling), one transaction per
+//! message, and micro-batched transactions; plus `pgbench` doing the same inserts at the same
+//! batch sizes on the same database, so "batched vs. what PostgreSQL can commit" is visible.
+//!
+//! ```sh
+//! cargo run --release --example bench -- [--messages N] [--per-message N] [--sources memory,kafka,amqp]
+//!     [--batch-size N] [--linger-ms N] [--concurrency N] [--json PATH]
+//!     [--prefill-rows N] [--memory-run N] [--no-pgbench]
+//! ```
+//!
+//! The effect is the issue's "insert an inbox row + insert an effect row": one `INSERT` into
+//! `bench_effects` per message (per-message handler), or one `INSERT … SELECT FROM UNNEST` per
+//! batch (the batch handler). End-to-end latency is publish time (carried in the payload) to the
+//! moment the broker settlement returned, after COMMIT. Peak RSS is the process's high-water
+//! mark, reset before each row (`/proc/self/clear_refs`). A publisher keeps at most `--window`
+//! messages published and not yet settled, so latency measures the pipeline, not a backlog.
+//!
+//! Needs PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`, a
+//! role that may create databases: the bench works in a scratch database it drops at the end).
+//! Kafka rows use `KAFKA_BROKERS` (default `127.0.0.1:9092`, e.g. tansu: `source
+//! scripts/lib/tansu.sh && ensure_tansu`), RabbitMQ rows `AMQP_URL` (default
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`). A source whose broker is unreachable is skipped
+//! with a message. pgbench rows need `pgbench` on the PATH.
+//!
+//! Long modes for the README's growth figures (not for CI): `--prefill-rows 10000000` fills the
+//! inbox with that many rows (`generate_series`) and runs the batched memory row again beside the
+//! empty-table one; `--memory-run 1000000` consumes that many messages batched from the memory
+//! source and prints the RSS every tenth of the way.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context as _};
+use txinbox::memory::MemoryBroker;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txinbox::sqlx::{self, ConnectOptions, Executor, Postgres};
+use txinbox::{
+    async_trait, BatchContext, BatchHandler, BatchMessage, Capabilities, Consumer, Context, Delivery,
+    Handler, HandlerError, IdStrategy, Lane, Message, MessageSource, Position, PostgresInbox, SettleError,
+    Settlement, SourceError,
+};
+
+#[derive(Debug, Clone)]
+struct Args {
+    messages: u64,
+    per_message: u64,
+    sources: Vec<String>,
+    batch_size: usize,
+    linger_ms: u64,
+    concurrency: usize,
+    max_in_flight: usize,
+    window: u64,
+    partitions: i32,
+    json: Option<String>,
+    prefill_rows: u64,
+    memory_run: u64,
+    pgbench: bool,
+    pgbench_seconds: u32,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        messages: 50_000,
+        per_message: 0,
+        sources: vec!["memory".into(), "kafka".into(), "amqp".into()],
+        batch_size: txinbox::DEFAULT_BATCH_SIZE,
+        linger_ms: txinbox::DEFAULT_BATCH_LINGER.as_millis() as u64,
+        concurrency: txinbox::DEFAULT_CONCURRENCY,
+        max_in_flight: txinbox::DEFAULT_MAX_IN_FLIGHT,
+        window: 2_000,
+        partitions: 8,
+        json: None,
+        prefill_rows: 0,
+        memory_run: 0,
+        pgbench: true,
+        pgbench_seconds: 5,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--messages" => a.messages = value()?.parse()?,
+            "--per-message" => a.per_message = value()?.parse()?,
+            "--sources" => a.sources = value()?.split(',').map(str::to_owned).collect(),
+            "--batch-size" => a.batch_size = value()?.parse()?,
+            "--linger-ms" => a.linger_ms = value()?.parse()?,
+            "--concurrency" => a.concurrency = value()?.parse()?,
+            "--max-in-flight" => a.max_in_flight = value()?.parse()?,
+            "--window" => a.window = value()?.parse()?,
+            "--partitions" => a.partitions = value()?.parse()?,
+            "--json" => a.json = Some(value()?),
+            "--prefill-rows" => a.prefill_rows = value()?.parse()?,
+            "--memory-run" => a.memory_run = value()?.parse()?,
+            "--pgbench-seconds" => a.pgbench_seconds = value()?.parse()?,
+            "--no-pgbench" => a.pgbench = false,
+            "--help" | "-h" => {
+                println!(
+                    "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
+                     [--sources memory,kafka,amqp] [--batch-size N (100)] [--linger-ms N (0)] [--concurrency N (8)]\n  \
+                     [--max-in-flight N (1024)] \
+                     [--window N (2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
+                     [--no-pgbench] [--pgbench-seconds N (5)]"
+                );
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}; see --help"),
+        }
+    }
+    if a.per_message == 0 {
+        a.per_message = a.messages.min(10_000);
+    }
+    if let Some(bad) = a
+        .sources
+        .iter()
+        .find(|s| !["memory", "kafka", "amqp"].contains(&s.as_str()))
+    {
+        bail!("unknown source {bad:?}: use memory, kafka, amqp");
+    }
+    Ok(a)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measuring: a latency histogram of fixed size (memory does not grow with the message count) and
+// a source wrapper that records every acknowledged settlement.
+
+/// Log-scale buckets of 2% from 1 µs to about 30 minutes.
+struct Histogram {
+    buckets: Vec<AtomicU64>,
+}
+
+const GROWTH: f64 = 1.02;
+
+impl Histogram {
+    fn new() -> Self {
+        Histogram {
+            buckets: (0..1100).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+    fn record(&self, micros: u64) {
+        let i = ((micros.max(1) as f64).ln() / GROWTH.ln()) as usize;
+        self.buckets[i.min(self.buckets.len() - 1)].fetch_add(1, Ordering::Relaxed);
+    }
+    fn quantile_ms(&self, q: f64) -> Option<f64> {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let rank = (q * total as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(GROWTH.powf(i as f64 + 0.5) / 1000.0);
+            }
+        }
+        None
+    }
+}
+
+/// Counts settled messages, records their latency, notes when the target was reached.
+struct Probe {
+    target: u64,
+    settled: AtomicU64,
+    latency: Histogram,
+    /// When the warm-up message had been settled and the measured messages began.
+    started_at: OnceLock<Instant>,
+    done_at: OnceLock<Instant>,
+    done: tokio::sync::Notify,
+}
+
+impl Probe {
+    fn new(target: u64) -> Arc<Self> {
+        Arc::new(Probe {
+            target,
+            settled: AtomicU64::new(0),
+            latency: Histogram::new(),
+            started_at: OnceLock::new(),
+            done_at: OnceLock::new(),
+            done: tokio::sync::Notify::new(),
+        })
+    }
+    fn settled(&self) -> u64 {
+        self.settled.load(Ordering::Relaxed)
+    }
+    /// The elapsed time of the measured messages (after the warm-up).
+    fn elapsed(&self) -> Duration {
+        let end = self.done_at.get().copied().unwrap_or_else(Instant::now);
+        end - self.started_at.get().copied().unwrap_or(end)
+    }
+    fn record(&self, message: &Message) {
+        let warm = self.started_at.get().is_some();
+        if let (true, Some(sent)) = (warm, published_at(message)) {
+            self.latency.record(now_micros().saturating_sub(sent));
+        }
+        if self.settled.fetch_add(1, Ordering::Relaxed) + 1 >= self.target {
+            let _ = self.done_at.set(Instant::now());
+            self.done.notify_waiters();
+        }
+    }
+    async fn wait_done(&self) {
+        loop {
+            let notified = self.done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.settled() >= self.target {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+fn now_micros() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as u64
+}
+
+/// Payloads are `"<publish time in µs> <sequence number>"`.
+fn payload(seq: u64) -> String {
+    format!("{} {seq}", now_micros())
+}
+
+fn published_at(message: &Message) -> Option<u64> {
+    let text = std::str::from_utf8(message.payload()).ok()?;
+    text.split(' ').next()?.parse().ok()
+}
+
+/// A source whose deliveries report their acknowledgement to a [`Probe`].
+struct Timed<S> {
+    inner: S,
+    probe: Arc<Probe>,
+}
+
+struct TimedDelivery<D> {
+    inner: D,
+    probe: Arc<Probe>,
+}
+
+#[async_trait]
+impl<S: MessageSource> MessageSource for Timed<S> {
+    type Delivery = TimedDelivery<S::Delivery>;
+    async fn receive(&mut self) -> Result<Option<Self::Delivery>, SourceError> {
+        Ok(self.inner.receive().await?.map(|inner| TimedDelivery {
+            inner,
+            probe: self.probe.clone(),
+        }))
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn close(self) -> Result<(), SourceError> {
+        self.inner.close().await
+    }
+}
+
+#[async_trait]
+impl<D: Delivery> Delivery for TimedDelivery<D> {
+    fn message(&self) -> &Message {
+        self.inner.message()
+    }
+    fn lane(&self) -> Lane {
+        self.inner.lane()
+    }
+    fn position(&self) -> Option<Position> {
+        self.inner.position()
+    }
+    async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
+        let ack = settlement == Settlement::Ack;
+        let message = self.inner.message().clone();
+        let result = self.inner.settle(settlement).await;
+        if ack && result.is_ok() {
+            self.probe.record(&message);
+        }
+        result
+    }
+}
+
+/// Resets the process's peak RSS (VmHWM) so the next reading covers one row only.
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// `VmHWM` or `VmRSS` from /proc/self/status, in MiB.
+fn rss_mb(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The effect: one effect row per message, or one UNNEST insert per batch.
+
+struct Effects;
+
+#[async_trait]
+impl Handler<Postgres> for Effects {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().as_str().to_owned();
+        sqlx::query("INSERT INTO bench_effects (message_id, bytes) VALUES ($1, $2)")
+            .bind(id)
+            .bind(msg.payload().len() as i64)
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+    fn batch(&self) -> Option<&dyn BatchHandler<Postgres>> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl BatchHandler<Postgres> for Effects {
+    async fn handle_batch(
+        &self,
+        cx: &mut BatchContext<'_, Postgres>,
+        batch: &[BatchMessage<'_>],
+    ) -> Result<(), HandlerError> {
+        let ids: Vec<&str> = batch.iter().map(|m| m.id().as_str()).collect();
+        let sizes: Vec<i64> = batch.iter().map(|m| m.message().payload().len() as i64).collect();
+        sqlx::query(
+            "INSERT INTO bench_effects (message_id, bytes) SELECT * FROM UNNEST($1::text[], $2::int8[])",
+        )
+        .bind(ids)
+        .bind(sizes)
+        .execute(cx.db())
+        .await?;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Publishers, one per source kind.
+
+enum Publisher {
+    Memory(MemoryBroker),
+    Kafka {
+        producer: rdkafka::producer::FutureProducer,
+        topic: String,
+        partitions: i32,
+    },
+    Amqp {
+        channel: lapin::Channel,
+        queue: String,
+    },
+}
+
+impl Publisher {
+    async fn publish(&self, seq: u64) -> anyhow::Result<()> {
+        let body = payload(seq);
+        match self {
+            Publisher::Memory(broker) => broker.publish(format!("m-{seq}"), body),
+            Publisher::Kafka {
+                producer,
+                topic,
+                partitions,
+            } => {
+                let key = seq.to_string();
+                let mut record = rdkafka::producer::FutureRecord::to(topic)
+                    .key(&key)
+                    .payload(&body)
+                    .partition((seq % *partitions as u64) as i32);
+                loop {
+                    match producer.send_result(record) {
+                        Ok(_delivery) => break, // the delivery report is not awaited; flushed at the end
+                        Err((
+                            rdkafka::error::KafkaError::MessageProduction(
+                                rdkafka::types::RDKafkaErrorCode::QueueFull,
+                            ),
+                            r,
+                        )) => {
+                            record = r;
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                        Err((e, _)) => bail!("producing to Kafka failed: {e}"),
+                    }
+                }
+            }
+            Publisher::Amqp { channel, queue } => {
+                let props = lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(format!("m-{seq}").into());
+                channel
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        lapin::options::BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        props,
+                    )
+                    .await
+                    .context("publishing to RabbitMQ")?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn finish(&self) {
+        if let Publisher::Kafka { producer, .. } = self {
+            use rdkafka::producer::Producer as _;
+            let _ = producer.flush(Duration::from_secs(30));
+        }
+    }
+}
+
+/// Publishes a warm-up message and waits until it is settled (a Kafka consumer first joins its
+/// group, which takes seconds), starts the clock, then publishes `n` more, keeping at most
+/// `window` published and not yet settled. The probe's target must be `n + 1`.
+async fn publish_loop(publisher: Publisher, n: u64, window: u64, probe: Arc<Probe>) -> anyhow::Result<()> {
+    publisher.publish(0).await?;
+    publisher.finish().await;
+    while probe.settled() < 1 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let _ = probe.started_at.set(Instant::now());
+    for seq in 1..=n {
+        while seq.saturating_sub(probe.settled()) >= window {
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        publisher.publish(seq).await?;
+    }
+    publisher.finish().await;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Raw,
+    PerMessage,
+    Batched,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Raw => "raw",
+            Mode::PerMessage => "per_message",
+            Mode::Batched => "batched",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    source: String,
+    mode: &'static str,
+    messages: u64,
+    msgs_per_sec: f64,
+    p50_ms: Option<f64>,
+    p99_ms: Option<f64>,
+    peak_rss_mb: Option<f64>,
+    note: String,
+}
+
+impl Row {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "source": self.source,
+            "mode": self.mode,
+            "messages": self.messages,
+            "msgs_per_sec": (self.msgs_per_sec * 10.0).round() / 10.0,
+            "p50_ms": self.p50_ms,
+            "p99_ms": self.p99_ms,
+            "peak_rss_mb": self.peak_rss_mb,
+            "note": self.note,
+        })
+    }
+}
+
+struct Bench {
+    args: Args,
+    pool: PgPool,
+    url: String,
+    run_id: String,
+}
+
+impl Bench {
+    fn inbox(&self) -> PostgresInbox {
+        PostgresInbox::new(self.pool.clone())
+    }
+
+    /// Consumes `n` messages from `source` (fed by `publisher`) in `mode`, as consumer `name`.
+    async fn row<Src: MessageSource>(
+        &self,
+        label: &str,
+        mode: Mode,
+        name: &str,
+        source: Src,
+        publisher: Publisher,
+        id_strategy: Option<IdStrategy>,
+    ) -> anyhow::Result<Row> {
+        let n = self.count(mode);
+        reset_peak_rss();
+        let probe = Probe::new(n + 1);
+        let timed = Timed {
+            inner: source,
+            probe: probe.clone(),
+        };
+        let publishing = tokio::spawn(publish_loop(publisher, n, self.args.window, probe.clone()));
+        match mode {
+            Mode::Raw => {
+                let mut source = timed;
+                while probe.settled() < n {
+                    let received = tokio::select! {
+                        r = source.receive() => r?,
+                        _ = probe.wait_done() => break,
+                    };
+                    let Some(delivery) = received else { break };
+                    tokio::spawn(delivery.settle(Settlement::Ack));
+                }
+                probe.wait_done().await;
+                source.close().await?;
+            }
+            Mode::PerMessage | Mode::Batched => {
+                let batch_size = if mode == Mode::Batched {
+                    self.args.batch_size
+                } else {
+                    1
+                };
+                let mut builder = Consumer::builder(name)
+                    .source(timed)
+                    .inbox(self.inbox())
+                    .handler(Effects)
+                    .concurrency(self.args.concurrency)
+                    .max_in_flight(self.args.max_in_flight)
+                    .batch_size(batch_size)
+                    .batch_linger(Duration::from_millis(self.args.linger_ms));
+                if let Some(s) = id_strategy {
+                    builder = builder.id_strategy(s);
+                }
+                let probe_done = probe.clone();
+                builder
+                    .build()?
+                    .run_until(async move { probe_done.wait_done().await })
+                    .await?;
+            }
+        }
+        publishing.await??;
+        let elapsed = probe.elapsed();
+        let note = match mode {
+            Mode::Raw => "no inbox: receive + ack".to_string(),
+            Mode::PerMessage => format!("batch_size 1, concurrency {}", self.args.concurrency),
+            Mode::Batched => format!(
+                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}",
+                self.args.batch_size, self.args.linger_ms, self.args.concurrency, self.args.max_in_flight
+            ),
+        };
+        Ok(Row {
+            source: label.to_owned(),
+            mode: mode.as_str(),
+            messages: n,
+            msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+            p50_ms: probe.latency.quantile_ms(0.50),
+            p99_ms: probe.latency.quantile_ms(0.99),
+            peak_rss_mb: rss_mb("VmHWM:"),
+            note,
+        })
+    }
+
+    fn count(&self, mode: Mode) -> u64 {
+        if mode == Mode::PerMessage {
+            self.args.per_message
+        } else {
+            self.args.messages
+        }
+    }
+
+    async fn memory_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            let broker = MemoryBroker::new("bench");
+            let name = format!("bench-memory-{}-{}", mode.as_str(), self.run_id);
+            let row = self
+                .row(
+                    "memory",
+                    mode,
+                    &name,
+                    broker.source(),
+                    Publisher::Memory(broker.clone()),
+                    None,
+                )
+                .await?;
+            print_row(&row);
+            rows.push(row);
+        }
+        Ok(())
+    }
+
+    async fn kafka_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        use rdkafka::client::DefaultClientContext;
+        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+        if !reachable(&brokers).await {
+            println!("kafka: SKIPPED, no broker at {brokers} (set KAFKA_BROKERS; tansu: source scripts/lib/tansu.sh && ensure_tansu)");
+            return Ok(());
+        }
+        let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()?;
+        let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("linger.ms", "5")
+            .set("queue.buffering.max.messages", "1000000")
+            .create()?;
+        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            let topic = format!("bench-{}-{}", mode.as_str(), self.run_id);
+            let results = admin
+                .create_topics(
+                    &[NewTopic::new(
+                        &topic,
+                        self.args.partitions,
+                        TopicReplication::Fixed(1),
+                    )],
+                    &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+                )
+                .await?;
+            for r in results {
+                r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+            }
+            let name = format!("bench-kafka-{}-{}", mode.as_str(), self.run_id);
+            let config = txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
+                .topic(topic.clone())
+                .max_buffered_per_partition(self.args.window as usize);
+            let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
+            let publisher = Publisher::Kafka {
+                producer: producer.clone(),
+                topic: topic.clone(),
+                partitions: self.args.partitions,
+            };
+            let row = self
+                .row("kafka", mode, &name, source, publisher, Some(IdStrategy::Offset))
+                .await?;
+            print_row(&row);
+            rows.push(row);
+            let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
+        }
+        Ok(())
+    }
+
+    async fn amqp_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        let url =
+            std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let conn = match tokio::time::timeout(
+            Duration::from_secs(5),
+            lapin::Connection::connect(&url, lapin::ConnectionProperties::default()),
+        )
+        .await
+        {
+            Ok(Ok(conn)) => conn,
+            _ => {
+                println!("amqp: SKIPPED, no RabbitMQ at AMQP_URL (default 127.0.0.1:5672)");
+                return Ok(());
+            }
+        };
+        let channel = conn.create_channel().await?;
+        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            let queue = format!("bench-{}-{}", mode.as_str(), self.run_id);
+            // Declared before publishing (as the adapter declares it: durable, no arguments).
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await?;
+            let name = format!("bench-amqp-{}-{}", mode.as_str(), self.run_id);
+            let prefetch = (self.args.window.min(u16::MAX as u64)) as u16;
+            let config = txinbox_amqp::AmqpConfig::new(url.clone(), queue.clone()).prefetch(prefetch);
+            let source = txinbox_amqp::AmqpSource::connect(config).await?;
+            let publisher = Publisher::Amqp {
+                channel: channel.clone(),
+                queue: queue.clone(),
+            };
+            let row = self.row("amqp", mode, &name, source, publisher, None).await?;
+            print_row(&row);
+            rows.push(row);
+            for q in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
+                let _ = channel
+                    .queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default())
+                    .await;
+            }
+        }
+        Ok(())
+    }
+
+    /// pgbench, `clients` connections for `seconds`, each transaction inserting `batch` inbox
+    /// rows and `batch` effect rows: what PostgreSQL itself commits on this machine.
+    fn pgbench(&self, batch: usize) -> anyhow::Result<Row> {
+        let script = format!(
+            "BEGIN;\n\
+             INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ON CONFLICT (consumer, message_id) DO NOTHING;\n\
+             INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
+             COMMIT;\n"
+        );
+        let path = std::env::temp_dir().join(format!("txinbox-bench-{}-{batch}.sql", self.run_id));
+        std::fs::write(&path, script)?;
+        let clients = self.args.concurrency.to_string();
+        let out = std::process::Command::new("pgbench")
+            .args(["-n", "-M", "prepared", "-c", &clients, "-j", "2", "-T"])
+            .arg(self.args.pgbench_seconds.to_string())
+            .arg("-f")
+            .arg(&path)
+            .arg(&self.url)
+            .output()
+            .context("running pgbench (is it installed? /usr/bin/pgbench)")?;
+        let _ = std::fs::remove_file(&path);
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!("pgbench failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let field = |prefix: &str| -> Option<f64> {
+            text.lines()
+                .find(|l| l.starts_with(prefix))?
+                .trim_start_matches(prefix)
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        };
+        let tps = field("tps = ").context("pgbench printed no tps")?;
+        let latency = field("latency average = ");
+        let transactions = field("number of transactions actually processed: ").unwrap_or(0.0);
+        Ok(Row {
+            source: "pgbench".into(),
+            mode: if batch == 1 { "per_message" } else { "batched" },
+            messages: transactions as u64 * batch as u64,
+            msgs_per_sec: tps * batch as f64,
+            p50_ms: None,
+            p99_ms: None,
+            peak_rss_mb: None,
+            note: format!(
+                "{batch} inbox + {batch} effect rows per transaction, -c {clients} -j 2 -M prepared, {}s; latency avg {} ms",
+                self.args.pgbench_seconds,
+                latency.map_or("?".into(), |l| format!("{l:.2}"))
+            ),
+        })
+    }
+
+    async fn prefilled_row(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        let n = self.args.prefill_rows;
+        let name = format!("bench-prefilled-{}", self.run_id);
+        println!("prefilling the inbox with {n} rows (generate_series)...");
+        let started = Instant::now();
+        sqlx::query(
+            "INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination)
+             SELECT $1, 'pre-' || g, 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench'
+             FROM generate_series(1, $2::bigint) g",
+        )
+        .bind(&name)
+        .bind(n as i64)
+        .execute(&self.pool)
+        .await?;
+        self.pool.execute("VACUUM ANALYZE txinbox.inbox").await?;
+        println!("prefilled in {:.0}s", started.elapsed().as_secs_f64());
+        let broker = MemoryBroker::new("bench");
+        let mut row = self
+            .row(
+                "memory",
+                Mode::Batched,
+                &name,
+                broker.source(),
+                Publisher::Memory(broker.clone()),
+                None,
+            )
+            .await?;
+        row.source = format!("memory+{}M rows", n as f64 / 1e6);
+        print_row(&row);
+        rows.push(row);
+        Ok(())
+    }
+
+    async fn memory_run(&self) -> anyhow::Result<()> {
+        let n = self.args.memory_run;
+        println!(
+            "\nlong run: {n} messages, memory source, batched; RSS every {}:",
+            n / 10
+        );
+        reset_peak_rss();
+        let broker = MemoryBroker::new("bench");
+        let probe = Probe::new(n + 1);
+        let sampler = {
+            let probe = probe.clone();
+            tokio::spawn(async move {
+                let step = (n / 10).max(1);
+                let mut next = step;
+                while next <= n {
+                    if probe.settled() >= next {
+                        println!(
+                            "  {:>9} settled  RSS {:>6.1} MiB  peak {:>6.1} MiB",
+                            next,
+                            rss_mb("VmRSS:").unwrap_or(f64::NAN),
+                            rss_mb("VmHWM:").unwrap_or(f64::NAN)
+                        );
+                        next += step;
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            })
+        };
+        let publishing = tokio::spawn(publish_loop(
+            Publisher::Memory(broker.clone()),
+            n,
+            self.args.window,
+            probe.clone(),
+        ));
+        let done = probe.clone();
+        Consumer::builder(format!("bench-long-{}", self.run_id))
+            .source(Timed {
+                inner: broker.source(),
+                probe: probe.clone(),
+            })
+            .inbox(self.inbox())
+            .handler(Effects)
+            .concurrency(self.args.concurrency)
+            .max_in_flight(self.args.max_in_flight)
+            .batch_size(self.args.batch_size)
+            .build()?
+            .run_until(async move { done.wait_done().await })
+            .await?;
+        publishing.await??;
+        sampler.await?;
+        println!(
+            "  {n} messages in {:.1}s ({:.0} msg/s)",
+            probe.elapsed().as_secs_f64(),
+            n as f64 / probe.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+}
+
+async fn reachable(brokers: &str) -> bool {
+    let first = brokers.split(',').next().unwrap_or_default().to_owned();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(first)).await,
+        Ok(Ok(_))
+    )
+}
+
+fn fmt_opt(v: Option<f64>, width: usize) -> String {
+    match v {
+        Some(v) if v >= 100.0 => format!("{v:>width$.0}"),
+        Some(v) => format!("{v:>width$.2}"),
+        None => format!("{:>width$}", "-"),
+    }
+}
+
+fn header() {
+    println!(
+        "{:<18} {:<12} {:>9} {:>10} {:>9} {:>9} {:>10}  note",
+        "source", "mode", "messages", "msg/s", "p50 ms", "p99 ms", "peak MiB"
+    );
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "{:<18} {:<12} {:>9} {:>10.0} {} {} {}  {}",
+        r.source,
+        r.mode,
+        r.messages,
+        r.msgs_per_sec,
+        fmt_opt(r.p50_ms, 9),
+        fmt_opt(r.p99_ms, 9),
+        fmt_opt(r.peak_rss_mb, 10),
+        r.note
+    );
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let admin: PgConnectOptions = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+        .parse()
+        .context("DATABASE_URL does not parse; expected postgres://user@host:port/database")?;
+    let run_id = format!("{}-{}", std::process::id(), now_micros() % 1_000_000);
+    let db_name = format!("txinbox_bench_{}", run_id.replace('-', "_"));
+    let mut conn = admin
+        .connect()
+        .await
+        .context("connecting to PostgreSQL at DATABASE_URL (is it running?)")?;
+    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
+        .await?;
+    let options = admin.clone().database(&db_name);
+    let url = {
+        // pgbench takes a libpq URI; the scratch database on the same server.
+        let raw = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        match raw.rfind('/') {
+            Some(i) if raw[..i].contains("://") && raw[i + 1..].split('?').next().is_some() => {
+                let query = raw[i + 1..]
+                    .split_once('?')
+                    .map(|(_, q)| format!("?{q}"))
+                    .unwrap_or_default();
+                format!("{}/{db_name}{query}", &raw[..i])
+            }
+            _ => raw,
+        }
+    };
+    let pool = PgPoolOptions::new()
+        .max_connections(args.concurrency as u32 + 2)
+        .connect_with(PostgresInbox::connect_options(options))
+        .await?;
+    txinbox::migrate(&pool).await?;
+    pool.execute(
+        "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
+         CREATE SEQUENCE bench_pgb_seq;",
+    )
+    .await?;
+    let bench = Bench {
+        args: args.clone(),
+        pool: pool.clone(),
+        url,
+        run_id,
+    };
+
+    println!(
+        "txinbox bench: {} messages per row ({} for per_message), {} cores, scratch database {db_name}\n",
+        args.messages,
+        args.per_message,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    header();
+    let mut rows = Vec::new();
+    let result = async {
+        for source in &args.sources {
+            match source.as_str() {
+                "memory" => bench.memory_rows(&mut rows).await?,
+                "kafka" => bench.kafka_rows(&mut rows).await?,
+                "amqp" => bench.amqp_rows(&mut rows).await?,
+                _ => unreachable!("validated"),
+            }
+        }
+        if args.pgbench {
+            for batch in [1, args.batch_size] {
+                match bench.pgbench(batch) {
+                    Ok(row) => {
+                        print_row(&row);
+                        rows.push(row);
+                    }
+                    Err(e) => println!("pgbench: SKIPPED, {e:#}"),
+                }
+            }
+        }
+        if args.prefill_rows > 0 {
+            bench.prefilled_row(&mut rows).await?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+
+    if result.is_ok() {
+        println!();
+        let rate = |source: &str, mode: &str| {
+            rows.iter()
+                .find(|r| r.source == source && r.mode == mode)
+                .map(|r| r.msgs_per_sec)
+        };
+        for source in ["memory", "kafka", "amqp"] {
+            if let (Some(b), Some(p)) = (rate(source, "batched"), rate(source, "per_message")) {
+                println!("{source}: batched / per_message = {:.1}x", b / p);
+            }
+            if let (Some(b), Some(g)) = (rate(source, "batched"), rate("pgbench", "batched")) {
+                println!("{source}: batched / pgbench batched = {:.0}%", 100.0 * b / g);
+            }
+        }
+        if let (Some(p), Some(e)) = (
+            rows.iter()
+                .find(|r| r.source.starts_with("memory+"))
+                .map(|r| r.msgs_per_sec),
+            rate("memory", "batched"),
+        ) {
+            println!(
+                "memory: batched with prefilled inbox / empty = {:.0}%",
+                100.0 * p / e
+            );
+        }
+        if let Some(path) = &args.json {
+            let json = serde_json::Value::Array(rows.iter().map(Row::json).collect());
+            std::fs::write(path, serde_json::to_string_pretty(&json)?)
+                .with_context(|| format!("writing {path}"))?;
+            println!("wrote {} rows to {path}", rows.len());
+        }
+    }
+    let long = if result.is_ok() && args.memory_run > 0 {
+        bench.memory_run().await
+    } else {
+        Ok(())
+    };
+
+    pool.close().await;
+    conn.execute(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"
+    )))
+    .await?;
+    result?;
+    long
+}
