@@ -371,9 +371,13 @@ impl<P: Publisher> Relay<P> {
             if listener.is_none() {
                 listener = self.listen().await;
             }
-            // Drain: full rounds mean there may be more.
+            // Drain: full rounds mean there may be more. Retention and the gauges run between
+            // rounds on their schedules, also during a long drain (when the backlog gauges
+            // matter most).
             loop {
-                match self.relay_once().await {
+                let result = self.relay_once().await;
+                self.run_due_upkeep(&mut last_metrics, &mut last_purge).await;
+                match result {
                     Ok(round) if round.broker_unavailable => {
                         let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);
                         outage_pause = Some(next.min(MAX_OUTAGE_PAUSE.max(self.config.poll_interval)));
@@ -395,18 +399,6 @@ impl<P: Publisher> Relay<P> {
                 }
                 if futures::FutureExt::now_or_never(&mut shutdown).is_some() {
                     return Ok(());
-                }
-            }
-            if last_metrics.elapsed() >= self.config.metrics_interval {
-                last_metrics = Instant::now();
-                if let Err(e) = self.refresh_metrics().await {
-                    tracing::debug!(relay = %self.config.name, error = %e, "outbox backlog query failed");
-                }
-            }
-            if last_purge.elapsed() >= self.config.retention_interval {
-                last_purge = Instant::now();
-                if let Err(e) = self.purge_published().await {
-                    tracing::warn!(relay = %self.config.name, error = %e, "outbox retention failed; retrying on schedule");
                 }
             }
             let notified = async {
@@ -436,6 +428,22 @@ impl<P: Publisher> Relay<P> {
                 () = &mut shutdown => return Ok(()),
                 ok = notified => if !ok { listener = None; },
                 () = tokio::time::sleep(self.config.poll_interval) => {}
+            }
+        }
+    }
+
+    /// Refreshes the gauges and runs retention, each if its interval has passed.
+    async fn run_due_upkeep(&self, last_metrics: &mut Instant, last_purge: &mut Instant) {
+        if last_metrics.elapsed() >= self.config.metrics_interval {
+            *last_metrics = Instant::now();
+            if let Err(e) = self.refresh_metrics().await {
+                tracing::debug!(relay = %self.config.name, error = %e, "outbox backlog query failed");
+            }
+        }
+        if last_purge.elapsed() >= self.config.retention_interval {
+            *last_purge = Instant::now();
+            if let Err(e) = self.purge_published().await {
+                tracing::warn!(relay = %self.config.name, error = %e, "outbox retention failed; retrying on schedule");
             }
         }
     }

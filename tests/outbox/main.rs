@@ -667,3 +667,51 @@ async fn a_broker_outage_burns_no_attempts_but_a_lone_failing_row_does() {
 async fn scalar_i64(pool: &PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
+
+#[tokio::test]
+async fn retention_and_gauges_keep_running_while_a_backlog_drains() {
+    let pool = test_db().await;
+    let rows = 300;
+    for i in 0..rows {
+        outbox::write(&pool, &OutboxMessage::new(format!("r-{i}"), "t", "x"))
+            .await
+            .unwrap();
+    }
+    let recorder = Recorder {
+        pause: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    // One row per round: every round is full, so run_until keeps draining without pausing.
+    let config = fast_config()
+        .batch_size(1)
+        .retention(Duration::ZERO)
+        .retention_schedule(Duration::from_millis(20), 1000);
+    let relay = Relay::new(pool.clone(), recorder.clone(), config).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    let started = Instant::now();
+    let mut purged_mid_drain = false;
+    loop {
+        let (pending, total): (i64, i64) =
+            sqlx::query_as("SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM txinbox.outbox")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if pending > 0 && total < rows {
+            purged_mid_drain = true;
+            break;
+        }
+        if pending == 0 || started.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert!(
+        purged_mid_drain,
+        "retention must run between the rounds of a long drain, not only once it is over"
+    );
+}
