@@ -233,6 +233,11 @@ impl Metrics {
 /// relay at a time, in row order. A failed row stays the head (with its next attempt time),
 /// so nothing of its key overtakes it until it is published or dead-lettered.
 ///
+/// Row IDs are taken at insert, not at commit: a row whose transaction commits after a later
+/// row of its key was claimed becomes a new head. It may then be published after, or (by another
+/// relay) alongside, the rows of transactions it overlapped with — those have no defined order —
+/// but never after rows written once it had committed.
+///
 /// # Waking
 ///
 /// `LISTEN txinbox_outbox` (a trigger notifies on insert; delivered at commit) wakes the relay
@@ -296,12 +301,20 @@ FOR UPDATE OF o SKIP LOCKED";
 
 // The later rows of keys whose head this transaction holds. Nobody else can hold them: another
 // relay would have to hold their head first. (`FOR UPDATE` re-checks `status` if a row changed.)
+// This statement sees a newer snapshot than the head claim: a row with a lower ID than the head
+// may have committed since (IDs are taken at insert, not commit). Then the head is not the
+// key's oldest pending row any more, and the key gets no followers this round — otherwise rows
+// written after that late row committed would be published before it.
 const CLAIM_FOLLOWERS: &str = "\
 SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.header_names, o.header_values
 FROM txinbox.outbox o
 JOIN unnest($1::text[], $2::bytea[], $3::bigint[]) AS h(destination, message_key, head)
   ON o.destination = h.destination AND o.message_key = h.message_key AND o.id > h.head
 WHERE o.status = 'pending'
+  AND NOT EXISTS (
+        SELECT 1 FROM txinbox.outbox p
+        WHERE p.status = 'pending' AND p.destination = h.destination
+          AND p.message_key = h.message_key AND p.id < h.head)
 ORDER BY o.id
 LIMIT $4
 FOR UPDATE OF o";

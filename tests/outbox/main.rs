@@ -715,3 +715,71 @@ async fn retention_and_gauges_keep_running_while_a_backlog_drains() {
         "retention must run between the rounds of a long drain, not only once it is over"
     );
 }
+
+/// A row with a lower ID can commit after a higher one of its key was claimed (IDs are taken at
+/// insert, not commit). It has no defined order against that row — but rows of transactions
+/// that began after it committed must still follow it. The round's head claim and its
+/// follower claim see different snapshots: here the writer commits the late row and a newer
+/// one while the relay's head claim is still scanning (a long backlog of another key), so the
+/// follower claim sees both. It must not take the newer row past the late one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_committing_row_is_not_overtaken_by_rows_written_after_it() {
+    let pool = test_db().await;
+    let mut late = pool.begin().await.unwrap();
+    outbox::write(&mut *late, &OutboxMessage::new("k-late", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    outbox::write(&pool, &OutboxMessage::new("k-early", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    // Another key's backlog behind a head that is not due: the head claim scans all of it.
+    sqlx::query(
+        "INSERT INTO txinbox.outbox (message_id, destination, message_key, payload, next_attempt_at)
+         VALUES ('z-head', 't', 'z', '', now() + interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO txinbox.outbox (message_id, destination, message_key, payload)
+         SELECT 'z-' || g, 't', 'z', '' FROM generate_series(1, 300000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE txinbox.outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let recorder = Recorder::default();
+    let relay = Arc::new(Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap());
+    let round = tokio::spawn({
+        let relay = Arc::clone(&relay);
+        async move { relay.relay_once().await.unwrap() }
+    });
+    let claiming = "SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND pid <> pg_backend_pid() AND state = 'active'
+          AND query LIKE '%FOR UPDATE OF o SKIP LOCKED%'";
+    let started = Instant::now();
+    while scalar_i64(&pool, claiming).await == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the relay never ran its claim"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    late.commit().await.unwrap();
+    outbox::write(&pool, &OutboxMessage::new("k-after", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar_i64(&pool, claiming).await,
+        1,
+        "test setup: the head claim must still be running when the writes commit"
+    );
+    let first = round.await.unwrap();
+    assert_eq!(first.claimed, 1, "only k-early, the head: {first:?}");
+    relay.relay_once().await.unwrap();
+    assert_eq!(recorder.ids(), ["k-early", "k-late", "k-after"]);
+}
