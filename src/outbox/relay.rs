@@ -368,7 +368,8 @@ impl<P: Publisher> Relay<P> {
     /// Runs until `shutdown` completes: publishes whatever is due, then waits for a
     /// notification or the poll interval; runs retention and refreshes the gauges on their
     /// schedules. Stops between rounds (a round in progress finishes, bounded by
-    /// `publish_timeout`).
+    /// `publish_timeout`); waits for a connection, retention and the backlog query are
+    /// abandoned (nothing is lost: they are repeated by the next run).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
         tokio::pin!(shutdown);
         let mut listener: Option<PgListener> = None;
@@ -381,15 +382,32 @@ impl<P: Publisher> Relay<P> {
         // notifications do not shorten the pause.
         let mut outage_pause: Option<Duration> = None;
         loop {
+            // Waits for the database (up to the pool's acquire timeout while it is unreachable)
+            // give way to shutdown; a round that has its connection finishes.
             if listener.is_none() {
-                listener = self.listen().await;
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    l = self.listen() => listener = l,
+                }
             }
             // Drain: full rounds mean there may be more. Retention and the gauges run between
             // rounds on their schedules, also during a long drain (when the backlog gauges
             // matter most).
             loop {
-                let result = self.relay_once().await;
-                self.run_due_upkeep(&mut last_metrics, &mut last_purge).await;
+                let result = tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    tx = self.pool.begin() => match tx {
+                        Ok(tx) => self.round(tx).await,
+                        Err(e) => Err(e),
+                    },
+                };
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    () = self.run_due_upkeep(&mut last_metrics, &mut last_purge) => {}
+                }
                 match result {
                     Ok(round) if round.broker_unavailable => {
                         let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);
@@ -480,7 +498,13 @@ impl<P: Publisher> Relay<P> {
     /// One round: claim due rows, publish them, mark them, commit. Returns what it did.
     /// Safe to call from several relays at once.
     pub async fn relay_once(&self) -> Result<RelayRound, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        self.round(self.pool.begin().await?).await
+    }
+
+    async fn round(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> Result<RelayRound, sqlx::Error> {
         let mut rows = sqlx::query(CLAIM_HEADS)
             .bind(self.config.batch_size as i64)
             .fetch_all(&mut *tx)

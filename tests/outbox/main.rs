@@ -783,3 +783,25 @@ async fn a_late_committing_row_is_not_overtaken_by_rows_written_after_it() {
     relay.relay_once().await.unwrap();
     assert_eq!(recorder.ids(), ["k-early", "k-late", "k-after"]);
 }
+
+/// While the database is unreachable, every connection attempt waits for the pool's acquire
+/// timeout; shutdown must not wait for them.
+#[tokio::test]
+async fn shutdown_is_prompt_while_the_database_is_unreachable() {
+    let unreachable: sqlx::postgres::PgConnectOptions =
+        "postgres://postgres@127.0.0.1:1/none".parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(unreachable);
+    let relay = Relay::new(pool, Recorder::default(), fast_config()).unwrap();
+    let started = Instant::now();
+    relay
+        .run_until(tokio::time::sleep(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+}
