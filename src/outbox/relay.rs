@@ -244,6 +244,8 @@ impl Metrics {
 /// at once; every `poll_interval` it looks anyway (lost notifications, retries coming due).
 /// A database error pauses the relay for `poll_interval` and it tries again; it never gives up
 /// on its own.
+/// The listener is read also while the relay drains a backlog or pauses for a broker outage:
+/// an unread listener would hold back the server's NOTIFY queue until writers' commits fail.
 ///
 /// # Broker outages
 ///
@@ -416,6 +418,8 @@ impl<P: Publisher> Relay<P> {
                     }
                     Ok(round) if round.claimed == self.config.batch_size && round.published > 0 => {
                         outage_pause = None;
+                        // The next round serves whatever was notified until now.
+                        read_queued(&mut listener);
                     }
                     Ok(round) => {
                         if round.published > 0 {
@@ -432,32 +436,23 @@ impl<P: Publisher> Relay<P> {
                     return Ok(());
                 }
             }
-            let notified = async {
-                match listener.as_mut() {
-                    Some(l) => {
-                        if let Err(e) = l.recv().await {
-                            tracing::info!(error = %e, "outbox LISTEN connection lost; polling until it is back");
-                            return false;
-                        }
-                        // One round serves every notification received so far.
-                        while l.next_buffered().is_some() {}
-                        true
-                    }
-                    None => std::future::pending().await,
-                }
-            };
             if let Some(pause) = outage_pause {
-                tokio::select! {
-                    biased;
-                    () = &mut shutdown => return Ok(()),
-                    () = tokio::time::sleep(pause) => {}
+                // Notifications do not end the pause, but they are read: see `notified`.
+                let until = tokio::time::Instant::now() + pause;
+                loop {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return Ok(()),
+                        () = tokio::time::sleep_until(until) => break,
+                        () = notified(&mut listener) => {}
+                    }
                 }
                 continue;
             }
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
-                ok = notified => if !ok { listener = None; },
+                () = notified(&mut listener) => {}
                 () = tokio::time::sleep(self.config.poll_interval) => {}
             }
         }
@@ -686,6 +681,41 @@ impl<P: Publisher> Relay<P> {
             pending,
             oldest_pending_age: Duration::from_secs_f64(age.max(0.0)),
         })
+    }
+}
+
+/// Completes on a notification (having read every one queued behind it: one round serves them
+/// all) or when the listener fails (it is dropped; the relay listens again). Never without a
+/// listener. Cancellation-safe.
+///
+/// The listener must be read even when the relay is busy or pausing: the server backend of an
+/// unread listener blocks on its socket and holds back the server's NOTIFY queue for every
+/// database, and once that queue is full every writer's COMMIT fails.
+async fn notified(listener: &mut Option<PgListener>) {
+    let Some(l) = listener.as_mut() else {
+        return std::future::pending().await;
+    };
+    match l.recv().await {
+        Ok(_) => while l.next_buffered().is_some() {},
+        Err(e) => {
+            tracing::info!(error = %e, "outbox LISTEN connection lost; polling until it is back");
+            *listener = None;
+        }
+    }
+}
+
+/// Reads the notifications already received, without waiting (see [`notified`]).
+fn read_queued(listener: &mut Option<PgListener>) {
+    let Some(l) = listener.as_mut() else { return };
+    loop {
+        match futures::FutureExt::now_or_never(l.try_recv()) {
+            Some(Ok(_)) => {}
+            Some(Err(_)) => {
+                *listener = None;
+                return;
+            }
+            None => return,
+        }
     }
 }
 
