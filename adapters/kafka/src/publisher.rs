@@ -23,6 +23,10 @@ const OWNED: &[(&str, &str)] = &[
     ),
     ("acks", "a message counts as published only once all in-sync replicas have it (acks=all)"),
     ("message.timeout.ms", "use KafkaPublisher::delivery_timeout"),
+    (
+        "transactional.id",
+        "the relay publishes outside Kafka transactions (a transactional producer would refuse every message); the outbox row is the transaction",
+    ),
 ];
 
 /// Publishes outbox rows to Kafka for a [`txinbox::outbox::Relay`]: the row's destination is
@@ -121,8 +125,8 @@ impl KafkaPublisherBuilder {
     }
 
     /// Sets a librdkafka producer property (security, `linger.ms`, `compression.type`, …).
-    /// `enable.idempotence`, `acks`, `message.timeout.ms` and `bootstrap.servers` are owned by
-    /// the publisher and refused.
+    /// `enable.idempotence`, `acks`, `message.timeout.ms`, `transactional.id` and
+    /// `bootstrap.servers` are owned by the publisher and refused.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.properties.insert(key.into(), value.into());
         self
@@ -244,6 +248,7 @@ mod tests {
             ("acks", "1"),
             ("enable.idempotence", "false"),
             ("message.timeout.ms", "5"),
+            ("transactional.id", "relay-1"),
         ] {
             let err = KafkaPublisher::builder("127.0.0.1:9092")
                 .set(k, v)
