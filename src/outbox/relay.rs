@@ -257,6 +257,14 @@ impl Metrics {
 /// keys that all fail for their own reasons, with nothing else pending, look like an outage
 /// too: they wait, uncounted, until other rows are published beside them.)
 ///
+/// The limit: a round with one failing row tells an outage from a bad row by nothing, so it is
+/// counted. That is every round of an outbox whose due rows all share one key (its later rows
+/// wait behind the head), and of a quiet one (one row at a time). There an outage longer than
+/// the retry policy's attempts — with the defaults, roughly 5 to 15 minutes including the
+/// publisher's own timeouts — dead-letters the head, and the key's later rows overtake it.
+/// Size [`RelayConfig::retry_policy`] for the longest broker outage such an outbox must ride
+/// out.
+///
 /// # Connections
 ///
 /// A running relay holds two connections of its pool: the listener's, and the round's
