@@ -43,7 +43,9 @@
 //!   transactions for one key have no defined order). A row that fails is retried before any
 //!   later row of its key is attempted; dead-lettering it lets the key move on. Rows without a
 //!   key are published in no particular order.
-//! - Several relays may run on one outbox: a key is published by one relay at a time.
+//! - Several relays may run on one outbox: a key is published by one relay at a time (except
+//!   that a row committed after a later row of its key was claimed may be published alongside
+//!   the rows of transactions it overlapped with; see [`Relay`]).
 //!
 //! PostgreSQL only: the relay relies on `FOR UPDATE SKIP LOCKED` and `LISTEN/NOTIFY`.
 

@@ -233,12 +233,19 @@ impl Metrics {
 /// relay at a time, in row order. A failed row stays the head (with its next attempt time),
 /// so nothing of its key overtakes it until it is published or dead-lettered.
 ///
+/// Row IDs are taken at insert, not at commit: a row whose transaction commits after a later
+/// row of its key was claimed becomes a new head. It may then be published after, or (by another
+/// relay) alongside, the rows of transactions it overlapped with — those have no defined order —
+/// but never after rows written once it had committed.
+///
 /// # Waking
 ///
 /// `LISTEN txinbox_outbox` (a trigger notifies on insert; delivered at commit) wakes the relay
 /// at once; every `poll_interval` it looks anyway (lost notifications, retries coming due).
 /// A database error pauses the relay for `poll_interval` and it tries again; it never gives up
 /// on its own.
+/// The listener is read also while the relay drains a backlog or pauses for a broker outage:
+/// an unread listener would hold back the server's NOTIFY queue until writers' commits fail.
 ///
 /// # Broker outages
 ///
@@ -249,6 +256,14 @@ impl Metrics {
 /// round, is counted as usual — so is a row that fails while others succeed. (Rows of several
 /// keys that all fail for their own reasons, with nothing else pending, look like an outage
 /// too: they wait, uncounted, until other rows are published beside them.)
+///
+/// The limit: a round with one failing row tells an outage from a bad row by nothing, so it is
+/// counted. That is every round of an outbox whose due rows all share one key (its later rows
+/// wait behind the head), and of a quiet one (one row at a time). There an outage longer than
+/// the retry policy's attempts — with the defaults, roughly 5 to 15 minutes including the
+/// publisher's own timeouts — dead-letters the head, and the key's later rows overtake it.
+/// Size [`RelayConfig::retry_policy`] for the longest broker outage such an outbox must ride
+/// out.
 ///
 /// # Connections
 ///
@@ -296,12 +311,20 @@ FOR UPDATE OF o SKIP LOCKED";
 
 // The later rows of keys whose head this transaction holds. Nobody else can hold them: another
 // relay would have to hold their head first. (`FOR UPDATE` re-checks `status` if a row changed.)
+// This statement sees a newer snapshot than the head claim: a row with a lower ID than the head
+// may have committed since (IDs are taken at insert, not commit). Then the head is not the
+// key's oldest pending row any more, and the key gets no followers this round — otherwise rows
+// written after that late row committed would be published before it.
 const CLAIM_FOLLOWERS: &str = "\
 SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.header_names, o.header_values
 FROM txinbox.outbox o
 JOIN unnest($1::text[], $2::bytea[], $3::bigint[]) AS h(destination, message_key, head)
   ON o.destination = h.destination AND o.message_key = h.message_key AND o.id > h.head
 WHERE o.status = 'pending'
+  AND NOT EXISTS (
+        SELECT 1 FROM txinbox.outbox p
+        WHERE p.status = 'pending' AND p.destination = h.destination
+          AND p.message_key = h.message_key AND p.id < h.head)
 ORDER BY o.id
 LIMIT $4
 FOR UPDATE OF o";
@@ -355,7 +378,8 @@ impl<P: Publisher> Relay<P> {
     /// Runs until `shutdown` completes: publishes whatever is due, then waits for a
     /// notification or the poll interval; runs retention and refreshes the gauges on their
     /// schedules. Stops between rounds (a round in progress finishes, bounded by
-    /// `publish_timeout`).
+    /// `publish_timeout`); waits for a connection, retention and the backlog query are
+    /// abandoned (nothing is lost: they are repeated by the next run).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
         tokio::pin!(shutdown);
         let mut listener: Option<PgListener> = None;
@@ -368,12 +392,33 @@ impl<P: Publisher> Relay<P> {
         // notifications do not shorten the pause.
         let mut outage_pause: Option<Duration> = None;
         loop {
+            // Waits for the database (up to the pool's acquire timeout while it is unreachable)
+            // give way to shutdown; a round that has its connection finishes.
             if listener.is_none() {
-                listener = self.listen().await;
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    l = self.listen() => listener = l,
+                }
             }
-            // Drain: full rounds mean there may be more.
+            // Drain: full rounds mean there may be more. Retention and the gauges run between
+            // rounds on their schedules, also during a long drain (when the backlog gauges
+            // matter most).
             loop {
-                match self.relay_once().await {
+                let result = tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    tx = self.pool.begin() => match tx {
+                        Ok(tx) => self.round(tx).await,
+                        Err(e) => Err(e),
+                    },
+                };
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    () = self.run_due_upkeep(&mut last_metrics, &mut last_purge) => {}
+                }
+                match result {
                     Ok(round) if round.broker_unavailable => {
                         let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);
                         outage_pause = Some(next.min(MAX_OUTAGE_PAUSE.max(self.config.poll_interval)));
@@ -381,6 +426,8 @@ impl<P: Publisher> Relay<P> {
                     }
                     Ok(round) if round.claimed == self.config.batch_size && round.published > 0 => {
                         outage_pause = None;
+                        // The next round serves whatever was notified until now.
+                        read_queued(&mut listener);
                     }
                     Ok(round) => {
                         if round.published > 0 {
@@ -397,45 +444,40 @@ impl<P: Publisher> Relay<P> {
                     return Ok(());
                 }
             }
-            if last_metrics.elapsed() >= self.config.metrics_interval {
-                last_metrics = Instant::now();
-                if let Err(e) = self.refresh_metrics().await {
-                    tracing::debug!(relay = %self.config.name, error = %e, "outbox backlog query failed");
-                }
-            }
-            if last_purge.elapsed() >= self.config.retention_interval {
-                last_purge = Instant::now();
-                if let Err(e) = self.purge_published().await {
-                    tracing::warn!(relay = %self.config.name, error = %e, "outbox retention failed; retrying on schedule");
-                }
-            }
-            let notified = async {
-                match listener.as_mut() {
-                    Some(l) => {
-                        if let Err(e) = l.recv().await {
-                            tracing::info!(error = %e, "outbox LISTEN connection lost; polling until it is back");
-                            return false;
-                        }
-                        // One round serves every notification received so far.
-                        while l.next_buffered().is_some() {}
-                        true
-                    }
-                    None => std::future::pending().await,
-                }
-            };
             if let Some(pause) = outage_pause {
-                tokio::select! {
-                    biased;
-                    () = &mut shutdown => return Ok(()),
-                    () = tokio::time::sleep(pause) => {}
+                // Notifications do not end the pause, but they are read: see `notified`.
+                let until = tokio::time::Instant::now() + pause;
+                loop {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return Ok(()),
+                        () = tokio::time::sleep_until(until) => break,
+                        () = notified(&mut listener) => {}
+                    }
                 }
                 continue;
             }
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
-                ok = notified => if !ok { listener = None; },
+                () = notified(&mut listener) => {}
                 () = tokio::time::sleep(self.config.poll_interval) => {}
+            }
+        }
+    }
+
+    /// Refreshes the gauges and runs retention, each if its interval has passed.
+    async fn run_due_upkeep(&self, last_metrics: &mut Instant, last_purge: &mut Instant) {
+        if last_metrics.elapsed() >= self.config.metrics_interval {
+            *last_metrics = Instant::now();
+            if let Err(e) = self.refresh_metrics().await {
+                tracing::debug!(relay = %self.config.name, error = %e, "outbox backlog query failed");
+            }
+        }
+        if last_purge.elapsed() >= self.config.retention_interval {
+            *last_purge = Instant::now();
+            if let Err(e) = self.purge_published().await {
+                tracing::warn!(relay = %self.config.name, error = %e, "outbox retention failed; retrying on schedule");
             }
         }
     }
@@ -459,7 +501,13 @@ impl<P: Publisher> Relay<P> {
     /// One round: claim due rows, publish them, mark them, commit. Returns what it did.
     /// Safe to call from several relays at once.
     pub async fn relay_once(&self) -> Result<RelayRound, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        self.round(self.pool.begin().await?).await
+    }
+
+    async fn round(
+        &self,
+        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    ) -> Result<RelayRound, sqlx::Error> {
         let mut rows = sqlx::query(CLAIM_HEADS)
             .bind(self.config.batch_size as i64)
             .fetch_all(&mut *tx)
@@ -641,6 +689,41 @@ impl<P: Publisher> Relay<P> {
             pending,
             oldest_pending_age: Duration::from_secs_f64(age.max(0.0)),
         })
+    }
+}
+
+/// Completes on a notification (having read every one queued behind it: one round serves them
+/// all) or when the listener fails (it is dropped; the relay listens again). Never without a
+/// listener. Cancellation-safe.
+///
+/// The listener must be read even when the relay is busy or pausing: the server backend of an
+/// unread listener blocks on its socket and holds back the server's NOTIFY queue for every
+/// database, and once that queue is full every writer's COMMIT fails.
+async fn notified(listener: &mut Option<PgListener>) {
+    let Some(l) = listener.as_mut() else {
+        return std::future::pending().await;
+    };
+    match l.recv().await {
+        Ok(_) => while l.next_buffered().is_some() {},
+        Err(e) => {
+            tracing::info!(error = %e, "outbox LISTEN connection lost; polling until it is back");
+            *listener = None;
+        }
+    }
+}
+
+/// Reads the notifications already received, without waiting (see [`notified`]).
+fn read_queued(listener: &mut Option<PgListener>) {
+    let Some(l) = listener.as_mut() else { return };
+    loop {
+        match futures::FutureExt::now_or_never(l.try_recv()) {
+            Some(Ok(_)) => {}
+            Some(Err(_)) => {
+                *listener = None;
+                return;
+            }
+            None => return,
+        }
     }
 }
 

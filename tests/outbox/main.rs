@@ -667,3 +667,249 @@ async fn a_broker_outage_burns_no_attempts_but_a_lone_failing_row_does() {
 async fn scalar_i64(pool: &PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
+
+#[tokio::test]
+async fn retention_and_gauges_keep_running_while_a_backlog_drains() {
+    let pool = test_db().await;
+    let rows = 300;
+    for i in 0..rows {
+        outbox::write(&pool, &OutboxMessage::new(format!("r-{i}"), "t", "x"))
+            .await
+            .unwrap();
+    }
+    let recorder = Recorder {
+        pause: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    // One row per round: every round is full, so run_until keeps draining without pausing.
+    let config = fast_config()
+        .batch_size(1)
+        .retention(Duration::ZERO)
+        .retention_schedule(Duration::from_millis(20), 1000);
+    let relay = Relay::new(pool.clone(), recorder.clone(), config).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    let started = Instant::now();
+    let mut purged_mid_drain = false;
+    loop {
+        let (pending, total): (i64, i64) =
+            sqlx::query_as("SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM txinbox.outbox")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if pending > 0 && total < rows {
+            purged_mid_drain = true;
+            break;
+        }
+        if pending == 0 || started.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert!(
+        purged_mid_drain,
+        "retention must run between the rounds of a long drain, not only once it is over"
+    );
+}
+
+/// A row with a lower ID can commit after a higher one of its key was claimed (IDs are taken at
+/// insert, not commit). It has no defined order against that row — but rows of transactions
+/// that began after it committed must still follow it. The round's head claim and its
+/// follower claim see different snapshots: here the writer commits the late row and a newer
+/// one while the relay's head claim is still scanning (a long backlog of another key), so the
+/// follower claim sees both. It must not take the newer row past the late one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_committing_row_is_not_overtaken_by_rows_written_after_it() {
+    let pool = test_db().await;
+    let mut late = pool.begin().await.unwrap();
+    outbox::write(&mut *late, &OutboxMessage::new("k-late", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    outbox::write(&pool, &OutboxMessage::new("k-early", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    // Another key's backlog behind a head that is not due: the head claim scans all of it.
+    sqlx::query(
+        "INSERT INTO txinbox.outbox (message_id, destination, message_key, payload, next_attempt_at)
+         VALUES ('z-head', 't', 'z', '', now() + interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO txinbox.outbox (message_id, destination, message_key, payload)
+         SELECT 'z-' || g, 't', 'z', '' FROM generate_series(1, 300000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE txinbox.outbox")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let recorder = Recorder::default();
+    let relay = Arc::new(Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap());
+    let round = tokio::spawn({
+        let relay = Arc::clone(&relay);
+        async move { relay.relay_once().await.unwrap() }
+    });
+    let claiming = "SELECT count(*) FROM pg_stat_activity
+        WHERE datname = current_database() AND pid <> pg_backend_pid() AND state = 'active'
+          AND query LIKE '%FOR UPDATE OF o SKIP LOCKED%'";
+    // The head claim has its snapshot once it locked k-early (a row lock sets xmax); the query
+    // shows as active in pg_stat_activity already while it is being parsed, before that.
+    let early_locked =
+        "SELECT (xmax::text <> '0')::int::int8 FROM txinbox.outbox WHERE message_id = 'k-early'";
+    let started = Instant::now();
+    while scalar_i64(&pool, early_locked).await == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the relay never ran its claim"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    late.commit().await.unwrap();
+    outbox::write(&pool, &OutboxMessage::new("k-after", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        scalar_i64(&pool, claiming).await,
+        1,
+        "test setup: the head claim must still be running when the writes commit"
+    );
+    let first = round.await.unwrap();
+    assert_eq!(first.claimed, 1, "only k-early, the head: {first:?}");
+    relay.relay_once().await.unwrap();
+    assert_eq!(recorder.ids(), ["k-early", "k-late", "k-after"]);
+}
+
+/// While the database is unreachable, every connection attempt waits for the pool's acquire
+/// timeout; shutdown must not wait for them.
+#[tokio::test]
+async fn shutdown_is_prompt_while_the_database_is_unreachable() {
+    let unreachable: sqlx::postgres::PgConnectOptions =
+        "postgres://postgres@127.0.0.1:1/none".parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(unreachable);
+    let relay = Relay::new(pool, Recorder::default(), fast_config()).unwrap();
+    let started = Instant::now();
+    relay
+        .run_until(tokio::time::sleep(Duration::from_millis(200)))
+        .await
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+}
+
+/// The relay's LISTEN connection must be read even while the relay does not wait for it
+/// (here: a broker outage spaces its rounds out). A listener the client does not read blocks
+/// its server backend on the socket, which holds back the server's NOTIFY queue for every
+/// database; when that queue is full, every writer's COMMIT fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_are_read_during_a_broker_outage() {
+    let pool = test_db().await;
+    let recorder = Recorder::default();
+    for k in ["a", "b"] {
+        outbox::write(&pool, &OutboxMessage::new(k, "t", "x").with_key(k))
+            .await
+            .unwrap();
+        recorder
+            .failing
+            .lock()
+            .unwrap()
+            .insert(k.into(), Failure::Times(u32::MAX));
+    }
+    let relay = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    let caught_up = floods_are_read(&pool).await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert!(
+        caught_up,
+        "the listening backend is idle again once the relay read its notifications"
+    );
+}
+
+/// The same while the relay drains a backlog round after round without waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_are_read_during_a_long_drain() {
+    let pool = test_db().await;
+    sqlx::query(
+        "INSERT INTO txinbox.outbox (message_id, destination, payload)
+         SELECT 'r-' || g, 't', '' FROM generate_series(1, 3000) g",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let recorder = Recorder {
+        pause: Duration::from_millis(5),
+        ..Recorder::default()
+    };
+    let relay = Relay::new(pool.clone(), recorder.clone(), fast_config().batch_size(1)).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    let caught_up = floods_are_read(&pool).await;
+    let pending = scalar_i64(
+        &pool,
+        "SELECT count(*) FROM txinbox.outbox WHERE status = 'pending'",
+    )
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert!(pending > 0, "test setup: the drain ended before the check");
+    assert!(
+        caught_up,
+        "the listening backend is idle again once the relay read its notifications"
+    );
+}
+
+/// Waits for the relay's LISTEN, sends it far more notifications than the sockets buffer (one
+/// transaction: distinct payloads are not folded), and reports whether its server backend is
+/// back to waiting for the client (`ClientRead`) rather than blocked writing to it within 15 s.
+async fn floods_are_read(pool: &PgPool) -> bool {
+    let listener_waits = "SELECT coalesce(max(wait_event), '') FROM pg_stat_activity
+        WHERE datname = current_database() AND query LIKE 'LISTEN%'";
+    let started = Instant::now();
+    while scalar_text(pool, listener_waits).await.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the relay never listened"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sqlx::query(
+        "SELECT count(pg_notify('txinbox_outbox', g::text || repeat('x', 400)))
+         FROM generate_series(1, 100000) g",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let started = Instant::now();
+    loop {
+        if scalar_text(pool, listener_waits).await == "ClientRead" {
+            return true;
+        }
+        if started.elapsed() > Duration::from_secs(15) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn scalar_text(pool: &PgPool, sql: &'static str) -> String {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}

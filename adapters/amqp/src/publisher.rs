@@ -43,7 +43,10 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`channels`](Self::channels) connections (default 4), each with one channel, used by
 /// concurrent publishes of different keys. Per-key order holds regardless: the relay publishes
 /// a key's next row only after the previous one was confirmed, i.e. is in its queue. After any
-/// failure that connection is dropped and the next publish on it opens a new one.
+/// failure that connection is dropped and the next publish on it opens a new one — and so is
+/// the connection of a publish whose future is dropped before its confirm arrived
+/// (cancellation-safe: that message counts as not confirmed, and its late confirm or return
+/// cannot be taken for another message's).
 pub struct AmqpPublisher {
     uri: String,
     exchange: ShortString,
@@ -167,6 +170,24 @@ impl AmqpPublisher {
     }
 }
 
+/// A lane held by one publish. Dropped before the publish got its verdict (the relay cancelled
+/// it), it discards the lane's connection: the confirm (or return) still in flight could
+/// otherwise be paired with the next publish on that channel — an unroutable message taken as
+/// confirmed.
+struct Lane<'a> {
+    session: tokio::sync::MutexGuard<'a, Option<Session>>,
+    settled: bool,
+}
+
+impl Drop for Lane<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            // Dropping the last handle closes the connection.
+            self.session.take();
+        }
+    }
+}
+
 fn value(bytes: &[u8]) -> AMQPValue {
     match std::str::from_utf8(bytes) {
         Ok(s) => AMQPValue::LongString(LongString::from(s)),
@@ -189,10 +210,14 @@ impl Publisher for AmqpPublisher {
         let start = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let n = self.lanes.len();
         let free = (0..n).find_map(|i| self.lanes[(start + i) % n].try_lock().ok());
-        let mut session = match free {
-            Some(guard) => guard,
-            None => self.lanes[start % n].lock().await,
+        let mut lane = Lane {
+            session: match free {
+                Some(guard) => guard,
+                None => self.lanes[start % n].lock().await,
+            },
+            settled: false,
         };
+        let session = &mut *lane.session;
         if session.as_ref().is_none_or(|s| !s.channel.status().connected()) {
             *session = None;
             let fresh = self
@@ -220,7 +245,10 @@ impl Publisher for AmqpPublisher {
                 .await?;
             confirm.await
         };
-        let failure = match tokio::time::timeout(self.publish_timeout, publish).await {
+        let verdict = tokio::time::timeout(self.publish_timeout, publish).await;
+        lane.settled = true;
+        let session = &mut *lane.session;
+        let failure = match verdict {
             Ok(Ok(Confirmation::Ack(None))) => return Ok(()),
             Ok(Ok(Confirmation::Ack(Some(returned)))) => format!(
                 "returned as unroutable ({} {}); is a queue bound for this routing key?",
@@ -264,5 +292,30 @@ mod tests {
         assert_eq!(headers.get_str(ID_HEADER), Some("id-1"), "the row's ID wins");
         assert_eq!(headers.get_str(KEY_HEADER), Some("k"));
         assert_eq!(headers.get("raw"), Some(&b"\xff"[..]));
+    }
+
+    /// A publish the relay cancels (its own `publish_timeout`, shutdown) while the confirm is
+    /// in flight must not leave that channel to the next publish. Needs RabbitMQ (`AMQP_URL`).
+    #[tokio::test]
+    async fn a_cancelled_publish_leaves_no_confirm_in_flight_for_the_next() {
+        let uri =
+            std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let publisher = AmqpPublisher::connect(uri)
+            .await
+            .expect("connect to AMQP_URL (is RabbitMQ running?)")
+            .channels(1);
+        assert!(publisher.lanes[0].try_lock().unwrap().is_some());
+        let message = OutboxMessage::new("cancelled", "txinbox-no-such-queue", "p");
+        // One poll: the publish is on the wire (or about to be), its confirm cannot be back yet.
+        let publish = publisher.publish(&message);
+        assert!(futures::poll!(publish).is_pending());
+        assert!(
+            publisher.lanes[0].try_lock().unwrap().is_none(),
+            "the cancelled publish's connection is discarded"
+        );
+        publisher
+            .publish(&OutboxMessage::new("next", "txinbox-no-such-queue", "p"))
+            .await
+            .expect_err("a fresh connection still reports the next message as unroutable");
     }
 }

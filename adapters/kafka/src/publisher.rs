@@ -2,11 +2,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
@@ -22,6 +23,10 @@ const OWNED: &[(&str, &str)] = &[
     ),
     ("acks", "a message counts as published only once all in-sync replicas have it (acks=all)"),
     ("message.timeout.ms", "use KafkaPublisher::delivery_timeout"),
+    (
+        "transactional.id",
+        "the relay publishes outside Kafka transactions (a transactional producer would refuse every message); the outbox row is the transaction",
+    ),
 ];
 
 /// Publishes outbox rows to Kafka for a [`txinbox::outbox::Relay`]: the row's destination is
@@ -34,11 +39,18 @@ const OWNED: &[(&str, &str)] = &[
 /// record, topic authorization) are permanent: the relay dead-letters the row. Everything else
 /// (broker down, unknown topic, timeout) is transient.
 ///
+/// When librdkafka declares the idempotent producer fatally failed (it can no longer vouch for
+/// order and once-ness, e.g. after a sequence desynchronization with the broker; every later
+/// message would be refused), the publish fails transiently and the publisher replaces the
+/// producer with a new one (a new producer ID): the relay's retry of that row goes through it.
+/// Copies the old producer may have delivered are duplicates the downstream inbox drops.
+///
 /// Dropping the publisher flushes and joins librdkafka's threads: drop it off the async
 /// runtime (or after the relay stopped). Unconfirmed messages are no loss: their rows stay
-/// pending.
+/// pending. A replaced producer is dropped on a thread of its own once its last publish ended.
 pub struct KafkaPublisher {
-    producer: FutureProducer,
+    config: rdkafka::ClientConfig,
+    producer: Mutex<Arc<FutureProducer>>,
     delivery_timeout: Duration,
 }
 
@@ -72,6 +84,36 @@ impl KafkaPublisher {
     pub fn delivery_timeout(&self) -> Duration {
         self.delivery_timeout
     }
+
+    fn current(&self) -> Arc<FutureProducer> {
+        Arc::clone(&self.producer.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Replaces `failed` (unless a concurrent publish did already) after a fatal error.
+    fn replace(&self, failed: &Arc<FutureProducer>, code: RDKafkaErrorCode, reason: &str) {
+        let mut current = self.producer.lock().unwrap_or_else(|p| p.into_inner());
+        if !Arc::ptr_eq(&current, failed) {
+            return;
+        }
+        let fresh: FutureProducer = match self.config.create() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "the Kafka producer failed fatally and a new one could not be created; retrying on the next publish");
+                return;
+            }
+        };
+        tracing::warn!(error = ?code, reason, "the Kafka producer failed fatally; publishing through a new producer");
+        let old = std::mem::replace(&mut *current, Arc::new(fresh));
+        drop(current);
+        // Dropping a producer joins librdkafka's threads: not on the async runtime, and only
+        // once the publishes still using it (bounded by delivery_timeout) have let go.
+        std::thread::spawn(move || {
+            while Arc::strong_count(&old) > 1 {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            drop(old);
+        });
+    }
 }
 
 impl KafkaPublisherBuilder {
@@ -83,8 +125,8 @@ impl KafkaPublisherBuilder {
     }
 
     /// Sets a librdkafka producer property (security, `linger.ms`, `compression.type`, …).
-    /// `enable.idempotence`, `acks`, `message.timeout.ms` and `bootstrap.servers` are owned by
-    /// the publisher and refused.
+    /// `enable.idempotence`, `acks`, `message.timeout.ms`, `transactional.id` and
+    /// `bootstrap.servers` are owned by the publisher and refused.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.properties.insert(key.into(), value.into());
         self
@@ -125,7 +167,8 @@ impl KafkaPublisherBuilder {
             txinbox::Error::Config(format!("KafkaPublisher: creating the producer failed: {e}"))
         })?;
         Ok(KafkaPublisher {
-            producer,
+            config: c,
+            producer: Mutex::new(Arc::new(producer)),
             delivery_timeout: self.delivery_timeout,
         })
     }
@@ -177,9 +220,20 @@ impl Publisher for KafkaPublisher {
         }
         // Waits while the local queue is full, then for the delivery report; bounded by
         // message.timeout.ms (and the relay's own publish_timeout).
-        match self.producer.send(record, self.delivery_timeout).await {
+        let producer = self.current();
+        match producer.send(record, self.delivery_timeout).await {
             Ok(_) => Ok(()),
-            Err((e, _)) => Err(classify(e, message)),
+            Err((e, _)) => {
+                if let Some((code, reason)) = producer.client().fatal_error() {
+                    self.replace(&producer, code, &reason);
+                    return Err(PublishError::transient(format!(
+                        "publishing {} to Kafka topic {}: the producer failed fatally ({reason}); retried through a new producer",
+                        message.message_id(),
+                        message.destination()
+                    )));
+                }
+                Err(classify(e, message))
+            }
         }
     }
 }
@@ -194,6 +248,7 @@ mod tests {
             ("acks", "1"),
             ("enable.idempotence", "false"),
             ("message.timeout.ms", "5"),
+            ("transactional.id", "relay-1"),
         ] {
             let err = KafkaPublisher::builder("127.0.0.1:9092")
                 .set(k, v)

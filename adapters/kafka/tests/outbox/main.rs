@@ -692,3 +692,51 @@ impl outbox::Publisher for Counting {
         Ok(())
     }
 }
+
+/// librdkafka raises a fatal error on an idempotent producer when it can no longer vouch for
+/// order and once-ness (here: the broker answers the first produce with OUT_OF_ORDER_SEQUENCE);
+/// that producer refuses every later message. The publisher must replace it, or the relay
+/// would fail every row until the process restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_is_survived_with_a_new_producer() {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    use txinbox::outbox::Publisher;
+
+    let topic = "fatal".to_string(); // a mock cluster of its own
+    let (ready, bootstrap) = std_mpsc::channel();
+    let (stop, stopped) = std_mpsc::channel::<()>();
+    let cluster_topic = topic.clone();
+    let cluster = std::thread::spawn(move || {
+        let cluster = MockCluster::new(1).expect("mock cluster");
+        cluster.create_topic(&cluster_topic, 1, 1).unwrap();
+        cluster.request_errors(
+            RDKafkaApiKey::Produce,
+            &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER],
+        );
+        ready.send(cluster.bootstrap_servers()).unwrap();
+        let _ = stopped.recv();
+    });
+    let brokers: String = bootstrap.recv().unwrap();
+    let publisher = KafkaPublisher::builder(&brokers)
+        .delivery_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let first = publisher
+        .publish(&OutboxMessage::new("fatal-1", &topic, "x").with_key("k"))
+        .await;
+    assert!(first.is_err(), "the broker refused the first produce: {first:?}");
+    let second = publisher
+        .publish(&OutboxMessage::new("fatal-2", &topic, "y").with_key("k"))
+        .await;
+    let third = publisher
+        .publish(&OutboxMessage::new("fatal-1", &topic, "x").with_key("k"))
+        .await;
+    tokio::task::spawn_blocking(move || drop(publisher))
+        .await
+        .unwrap();
+    let _ = stop.send(());
+    cluster.join().unwrap();
+    second.expect("a publish after a fatal producer error goes through a new producer");
+    third.expect("and the failed row's retry too");
+}
