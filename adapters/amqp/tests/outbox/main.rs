@@ -441,7 +441,7 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
     b.stop().await;
     a.stop().await;
 
-    // IDs: every attempt derived the documented IDs; retried orders ran twice.
+    // IDs: every attempt derived the documented IDs; failed orders ran again.
     let derived = handler_a.derived.lock().unwrap().clone();
     let mut expected_ids = HashSet::new();
     for i in 0..orders {
@@ -449,11 +449,10 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
         let want: Vec<String> = STEPS.iter().map(|s| outbox::derive_id(&order, s)).collect();
         let attempts = &derived[&order];
         assert!(attempts.iter().all(|ids| *ids == want), "{order}: {attempts:?}");
-        assert_eq!(
-            attempts.len(),
-            if i.is_multiple_of(5) { 2 } else { 1 },
-            "{order} attempts"
-        );
+        // Every order ran; a failed one at least twice. Micro-batching may run a handler
+        // again when a neighbour's failure rolls its batch back (the effects roll back too).
+        let at_least = if i.is_multiple_of(5) { 2 } else { 1 };
+        assert!(attempts.len() >= at_least, "{order}: {} attempts", attempts.len());
         expected_ids.extend(want);
     }
     let in_outbox: HashSet<String> = sqlx::query_scalar("SELECT message_id FROM txinbox.outbox")

@@ -483,11 +483,10 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
         let attempts = &derived[&order];
         let want: Vec<String> = STEPS.iter().map(|s| outbox::derive_id(&order, s)).collect();
         assert!(attempts.iter().all(|ids| *ids == want), "{order}: {attempts:?}");
-        assert_eq!(
-            attempts.len(),
-            if i.is_multiple_of(5) { 2 } else { 1 },
-            "{order} attempts"
-        );
+        // Every order ran; a failed one at least twice. Micro-batching may run a handler
+        // again when a neighbour's failure rolls its batch back (the effects roll back too).
+        let at_least = if i.is_multiple_of(5) { 2 } else { 1 };
+        assert!(attempts.len() >= at_least, "{order}: {} attempts", attempts.len());
         expected_ids.extend(want);
     }
     let in_outbox: HashSet<String> = sqlx::query_scalar("SELECT message_id FROM txinbox.outbox")
