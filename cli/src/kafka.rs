@@ -137,21 +137,37 @@ impl Kafka {
     }
 
     /// The member IDs of `group` (empty when the group has no active member or does not exist).
+    ///
+    /// A group that lists no member but is not `Empty` or `Dead` (a rebalance in progress: its
+    /// members are re-joining) counts as active, with its state in place of a member ID; and
+    /// an empty answer is asked again once, so a momentary gap in the broker's view does not
+    /// pass for "no consumer is running".
     pub fn group_members(&self, group: &str) -> Result<Vec<String>, CliError> {
-        let list = self
-            .client
-            .fetch_group_list(Some(group), TIMEOUT)
-            .map_err(|e| CliError::failed(format!("describing consumer group {group}: {e}")))?;
-        Ok(list
-            .groups()
-            .iter()
-            .filter(|g| g.name() == group)
-            .flat_map(|g| {
-                g.members()
-                    .iter()
-                    .map(|m| format!("{} ({})", m.id(), m.client_host()))
-            })
-            .collect())
+        let ask = || -> Result<Vec<String>, CliError> {
+            let list = self
+                .client
+                .fetch_group_list(Some(group), TIMEOUT)
+                .map_err(|e| CliError::failed(format!("describing consumer group {group}: {e}")))?;
+            let mut members = Vec::new();
+            for g in list.groups().iter().filter(|g| g.name() == group) {
+                members.extend(
+                    g.members()
+                        .iter()
+                        .map(|m| format!("{} ({})", m.id(), m.client_host())),
+                );
+                let state = g.state();
+                if g.members().is_empty() && !matches!(state, "" | "Empty" | "Dead") {
+                    members.push(format!("(members re-joining: group state {state})"));
+                }
+            }
+            Ok(members)
+        };
+        let members = ask()?;
+        if !members.is_empty() {
+            return Ok(members);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        ask()
     }
 
     /// Commits `offsets` (partition → next offset) for `group`, which must have no active
