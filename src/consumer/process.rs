@@ -170,16 +170,22 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            if !process_alone(shared, item.delivery, item.span).await && ordered {
-                return false;
+            if !process_alone(shared, item.delivery, item.span).await {
+                if ordered {
+                    abandon(&queue);
+                    return false;
+                }
+                continue;
             }
+            // NOTE: while batching is off after a lock conflict every transaction is a lone
+            // message's, so batching grows back from these, not from committed batches.
+            shared.batch_contended(false);
             continue;
         }
         let mut batch: Vec<Item<D>> = queue.drain(..n).collect();
         let Some(trip) = run_batch(shared, &batch).await else {
-            for item in &batch {
-                item.span.record("txinbox.outcome", "abandoned");
-            }
+            abandon(&batch);
+            abandon(&queue);
             return false;
         };
         match trip {
@@ -215,6 +221,14 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         }
     }
     true
+}
+
+/// Marks the spans of deliveries left unsettled (shutdown or a fatal error): every delivery
+/// keeps one `txinbox.process` span with an outcome.
+fn abandon<'a, D: 'a>(items: impl IntoIterator<Item = &'a Item<D>>) {
+    for item in items {
+        item.span.record("txinbox.outcome", "abandoned");
+    }
 }
 
 /// Runs one batch transaction, backing off while the database is unavailable (as the

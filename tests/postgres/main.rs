@@ -1433,15 +1433,27 @@ mod batching {
         for i in 0..3 {
             broker.publish_in_lane("z", format!("z-{i}"), "A");
         }
+        while db.scalar("SELECT count(*) FROM batch_effects WHERE message_id LIKE 'z-%'").await < 3 {
+            assert!(Instant::now() < deadline, "lane z finishes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // After the cool-down (5 s) batching grows back, although at size 1 every transaction
+        // is a lone message's: w-0 runs alone, the rest of lane w queue up behind it and batch.
+        tokio::time::sleep(Duration::from_millis(5500)).await;
+        for i in 0..6 {
+            broker.publish_in_lane("w", format!("w-{i}"), "A");
+        }
         broker.close();
         run.await.unwrap().unwrap();
 
         let fx = effects(&db).await;
-        assert_eq!(fx.len(), 7);
+        assert_eq!(fx.len(), 13);
         assert!(fx.values().all(|(n, _)| *n == 1), "each applied once: {fx:?}");
-        assert_eq!(db.scalar("SELECT sum(n)::bigint FROM hot").await, 7);
+        assert_eq!(db.scalar("SELECT sum(n)::bigint FROM hot").await, 13);
         let z: std::collections::HashSet<i64> = ["z-0", "z-1", "z-2"].iter().map(|id| fx[*id].1[0]).collect();
         assert_eq!(z.len(), 3, "after the deadlock, no batching: {fx:?}");
+        let w: std::collections::HashSet<i64> = (0..6).map(|i| fx[&format!("w-{i}")].1[0]).collect();
+        assert!(w.len() < 6, "after the cool-down, batching is back: {fx:?}");
     }
 
     /// One statement for the whole batch; `handle` for messages that travel alone.
