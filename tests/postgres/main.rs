@@ -892,6 +892,44 @@ mod positions {
             .unwrap()
             .is_empty());
     }
+
+    #[tokio::test]
+    async fn a_batch_cut_by_a_dead_letter_stores_the_position_after_its_last_committed_message() {
+        let db = TestDb::new(10).await;
+        let ok = |i| -> &'static str {
+            Box::leak(format!(r#"{{"account":"a","amount":1,"lane":"0","idx":{i}}}"#).into_boxed_str())
+        };
+        // One batch of six: offset 2 is cut out and dead-lettered, so is the last one (5).
+        let source = Positioned(
+            vec![
+                (0, 0, ok(0)),
+                (0, 1, ok(1)),
+                (0, 2, "not json"),
+                (0, 3, ok(3)),
+                (0, 4, ok(4)),
+                (0, 5, "not json"),
+            ]
+            .into_iter(),
+        );
+        Consumer::builder("batch-positions")
+            .source(source)
+            .inbox(db.inbox())
+            .handler(DepositHandler::default())
+            .batch_linger(Duration::from_millis(300))
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        let got = db
+            .inbox()
+            .load_positions("batch-positions", "orders")
+            .await
+            .unwrap();
+        // After 3 and 4 (a batch re-run after the cut), not past the dead letter at 5.
+        assert_eq!(got, [("0".to_string(), 5)]);
+        assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 4);
+    }
 }
 
 #[tokio::test]
@@ -1433,7 +1471,11 @@ mod batching {
         for i in 0..3 {
             broker.publish_in_lane("z", format!("z-{i}"), "A");
         }
-        while db.scalar("SELECT count(*) FROM batch_effects WHERE message_id LIKE 'z-%'").await < 3 {
+        while db
+            .scalar("SELECT count(*) FROM batch_effects WHERE message_id LIKE 'z-%'")
+            .await
+            < 3
+        {
             assert!(Instant::now() < deadline, "lane z finishes");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
