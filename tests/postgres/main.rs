@@ -766,17 +766,90 @@ mod spans {
         }
     }
 
-    #[tokio::test]
-    async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
-        // A global subscriber: a thread-local default races with other tests over tracing's
-        // global callsite-interest cache. Spans of other tests are filtered out by consumer name.
+    /// A global subscriber: a thread-local default races with other tests over tracing's
+    /// global callsite-interest cache. Spans of other tests are filtered out by consumer name.
+    fn capture() -> &'static Capture {
         static CAPTURE: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
-        let capture = CAPTURE.get_or_init(|| {
+        CAPTURE.get_or_init(|| {
             let capture = Capture::default();
             tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
                 .expect("the only global subscriber in this test binary");
             capture
+        })
+    }
+
+    fn spans_of(consumer: &str) -> Vec<Fields> {
+        capture()
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.get("messaging.consumer.group.name").map(String::as_str) == Some(consumer))
+            .cloned()
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_batch_stopped_at_shutdown_marks_every_delivery_it_held_abandoned() {
+        capture();
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        for i in 0..4 {
+            broker.publish_in_lane("p0", format!("evt-{i}"), deposit("a", 1, "p0", i));
+        }
+        let handler = DepositHandler::failing(|m, _| {
+            (m.native_id() == Some("evt-1"))
+                .then(|| HandlerError::transient("later").retry_after(Duration::from_secs(30)))
         });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(
+            Consumer::builder("spans-abandon")
+                .source(broker.source())
+                .inbox(db.inbox())
+                .handler(handler.clone())
+                .batch_linger(Duration::from_millis(300))
+                .build()
+                .unwrap()
+                .run_until(async {
+                    let _ = stopped.await;
+                }),
+        );
+        // The batch runs evt-0 and evt-1 (cut), then each alone: evt-1 then waits to retry,
+        // holding evt-2 and evt-3 behind it in the batch's queue.
+        while handler.calls() < 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.send(()).unwrap();
+        run.await.unwrap().unwrap();
+
+        let mut outcomes: Vec<(String, Option<String>)> = spans_of("spans-abandon")
+            .into_iter()
+            .map(|s| {
+                (
+                    s["messaging.message.id"].clone(),
+                    s.get("txinbox.outcome").cloned(),
+                )
+            })
+            .collect();
+        outcomes.sort();
+        let abandoned = Some("abandoned".to_string());
+        assert_eq!(
+            outcomes,
+            [
+                ("evt-0".to_string(), Some("processed".to_string())),
+                ("evt-1".to_string(), abandoned.clone()),
+                ("evt-2".to_string(), abandoned.clone()),
+                ("evt-3".to_string(), abandoned),
+            ],
+            "one span per delivery, each with its outcome"
+        );
+    }
+
+    #[tokio::test]
+    async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
+        let capture = capture();
         let db = TestDb::new(10).await;
         let broker = MemoryBroker::new("payments");
         broker.publish("evt-1", deposit("a", 1, "-", 0));
