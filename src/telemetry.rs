@@ -10,8 +10,8 @@
 //! | `txinbox_dead_letters_total` | counter | dead-letter settlements; label `reason` (a redelivered dead letter, sent to the broker again, counts again) |
 //! | `txinbox_ack_failures_total` | counter | the settlement after a finished transaction did not reach the broker (redelivery will be a duplicate) |
 //! | `txinbox_store_errors_total` | counter | the inbox database was unavailable; intake pauses |
-//! | `txinbox_handler_duration_seconds` | histogram | time in the handler |
-//! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT |
+//! | `txinbox_handler_duration_seconds` | histogram | time in one handler call (a `BatchHandler` call: its whole batch) |
+//! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT (one per transaction; a batch shares one) |
 //! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
 //! | `txinbox_outbox_pending` | gauge | outbox rows waiting to be published (label `relay`, refreshed by the relay) |
 //! | `txinbox_outbox_oldest_pending_age_seconds` | gauge | age of the oldest pending outbox row, 0 when none (label `relay`) |

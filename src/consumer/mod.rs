@@ -381,13 +381,14 @@ impl<St, H> Shared<St, H> {
     /// the same rows in different orders deadlock (each costing PostgreSQL's
     /// `deadlock_timeout`, 1 s by default), and the more rows a transaction holds the likelier
     /// that is. So a batch cut by lock contention turns batching off (size 1) for
-    /// [`CONTENTION_COOLDOWN`]; after it, every committed batch grows the size by an eighth (at
-    /// least 1) back up to `batch_size`.
+    /// [`CONTENTION_COOLDOWN`]; after it, every transaction that ends without a lock conflict
+    /// (a batch, or a message alone: at size 1 there are no batches) grows the size by an
+    /// eighth (at least 1) back up to `batch_size`.
     pub(crate) fn batch_limit(&self) -> usize {
         self.batch_limit.load(Ordering::Relaxed)
     }
 
-    /// Adapts [`batch_limit`](Self::batch_limit) to a batch's outcome.
+    /// Adapts [`batch_limit`](Self::batch_limit) to how a batch, or a message alone, ended.
     pub(crate) fn batch_contended(&self, contended: bool) {
         let now = self.started.elapsed().as_millis() as u64;
         if contended {

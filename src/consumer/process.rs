@@ -170,16 +170,22 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            if !process_alone(shared, item.delivery, item.span).await && ordered {
-                return false;
+            if !process_alone(shared, item.delivery, item.span).await {
+                if ordered {
+                    abandon(&queue);
+                    return false;
+                }
+                continue;
             }
+            // NOTE: while batching is off after a lock conflict every transaction is a lone
+            // message's, so batching grows back from these, not from committed batches.
+            shared.batch_contended(false);
             continue;
         }
         let mut batch: Vec<Item<D>> = queue.drain(..n).collect();
         let Some(trip) = run_batch(shared, &batch).await else {
-            for item in &batch {
-                item.span.record("txinbox.outcome", "abandoned");
-            }
+            abandon(&batch);
+            abandon(&queue);
             return false;
         };
         match trip {
@@ -217,36 +223,31 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
     true
 }
 
+/// Marks the spans of deliveries left unsettled (shutdown or a fatal error): every delivery
+/// keeps one `txinbox.process` span with an outcome.
+fn abandon<'a, D: 'a>(items: impl IntoIterator<Item = &'a Item<D>>) {
+    for item in items {
+        item.span.record("txinbox.outcome", "abandoned");
+    }
+}
+
 /// Runs one batch transaction, backing off while the database is unavailable (as the
 /// one-message path does before its claim). `None` on shutdown or a fatal error.
 async fn run_batch<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     batch: &[Item<D>],
 ) -> Option<Trip> {
-    let mut failures = 0;
-    loop {
-        let permit = shared
+    // `Err` from a trip: BEGIN, the claim or a duplicate's bookkeeping failed, nothing written.
+    // The permit is held for one trip only, never through a backoff sleep.
+    with_store(shared, || async {
+        let _permit = shared
             .concurrency
             .acquire()
             .await
             .expect("semaphore is never closed");
-        let trip = batch_attempt(shared, batch).await;
-        drop(permit);
-        match trip {
-            Ok(trip) => {
-                shared.set_healthy(true);
-                return Some(trip);
-            }
-            Err(e) => {
-                // BEGIN, the claim or a duplicate's bookkeeping failed: nothing committed.
-                failures += 1;
-                store_unavailable(shared, e, failures)?;
-                if !shared.sleep(store_backoff(failures)).await {
-                    return None;
-                }
-            }
-        }
-    }
+        batch_attempt(shared, batch).await
+    })
+    .await
 }
 
 /// One batch transaction: claim all, record duplicates, run the handlers of the new ones,
@@ -281,7 +282,6 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
 
     if !new.is_empty() {
         if let Some(handler) = shared.handler.batch() {
-            let started = Instant::now();
             let messages: Vec<BatchMessage<'_>> = new
                 .iter()
                 .map(|&(i, attempt)| BatchMessage {
@@ -290,53 +290,31 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                     attempt,
                 })
                 .collect();
-            let result = {
-                let mut cx = BatchContext {
-                    conn: &mut *tx,
-                    consumer: &shared.name,
-                };
-                AssertUnwindSafe(handler.handle_batch(&mut cx, &messages))
-                    .catch_unwind()
-                    .await
+            let mut cx = BatchContext {
+                conn: &mut *tx,
+                consumer: &shared.name,
             };
-            // One sample per call: for a batch handler, the whole batch.
-            shared
-                .metrics
-                .handler_duration
-                .record(started.elapsed().as_secs_f64());
-            if !matches!(result, Ok(Ok(()))) {
+            // One duration sample per call: for a batch handler, the whole batch.
+            if let Err(error) = run_handler(shared, handler.handle_batch(&mut cx, &messages)).await {
                 drop(tx.rollback().await);
-                let (error, contended) = match result {
-                    Ok(Err(e)) => (e.to_string(), e.is_contention()),
-                    Err(panic) => (format!("panicked: {}", panic_message(&*panic)), false),
-                    Ok(Ok(())) => unreachable!(),
-                };
+                let contended = error.is_contention();
                 tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
                 return Ok(Trip::Unknown(contended));
             }
         } else {
             for &(i, attempt) in &new {
                 let item = &batch[i];
-                let started = Instant::now();
-                let result = {
-                    let mut cx = Context {
-                        conn: &mut *tx,
-                        consumer: &shared.name,
-                        id: entries[i].id,
-                        attempt,
-                    };
-                    AssertUnwindSafe(shared.handler.handle(&mut cx, item.delivery.message()))
-                        .catch_unwind()
-                        .instrument(item.span.clone())
-                        .await
+                let mut cx = Context {
+                    conn: &mut *tx,
+                    consumer: &shared.name,
+                    id: entries[i].id,
+                    attempt,
                 };
-                shared
-                    .metrics
-                    .handler_duration
-                    .record(started.elapsed().as_secs_f64());
-                if !matches!(result, Ok(Ok(()))) {
+                let handled = shared.handler.handle(&mut cx, item.delivery.message());
+                let result = run_handler(shared, handled).instrument(item.span.clone()).await;
+                if let Err(error) = result {
                     drop(tx.rollback().await);
-                    let contended = matches!(&result, Ok(Err(e)) if e.is_contention());
+                    let contended = error.is_contention();
                     tracing::debug!(
                         parent: &item.span,
                         contended,
@@ -581,39 +559,25 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     Span::current().record("txinbox.attempt", attempt);
     crate::crash::hit(crate::crash::AFTER_CLAIM);
 
-    let started = Instant::now();
-    let result = {
-        let mut cx = Context {
-            conn: &mut *tx,
-            consumer: &shared.name,
-            id,
-            attempt,
-        };
-        AssertUnwindSafe(shared.handler.handle(&mut cx, delivery.message()))
-            .catch_unwind()
-            .await
+    let mut cx = Context {
+        conn: &mut *tx,
+        consumer: &shared.name,
+        id,
+        attempt,
     };
-    shared
-        .metrics
-        .handler_duration
-        .record(started.elapsed().as_secs_f64());
-    let error = match result {
-        Ok(Ok(())) => match finish(shared, tx, entry, position).await {
+    let error = match run_handler(shared, shared.handler.handle(&mut cx, delivery.message())).await {
+        Ok(()) => match finish(shared, tx, entry, position).await {
             Ok(()) => {
                 crate::crash::hit(crate::crash::AFTER_COMMIT);
                 return Ok(Attempt::Committed);
             }
             Err(error) => error,
         },
-        Ok(Err(error)) => {
+        Err(error) => {
             // Roll back explicitly rather than on drop, so the connection is clean before it
             // returns to the pool. If the rollback fails the connection is closed.
             drop(tx.rollback().await);
             error
-        }
-        Err(panic) => {
-            drop(tx.rollback().await);
-            HandlerError::transient(format!("handler panicked: {}", panic_message(&*panic)))
         }
     };
     Ok(Attempt::Failed { attempt, error })
@@ -791,6 +755,26 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     } else {
         tracing::debug!(outcome, "settled");
     }
+}
+
+/// Runs a handler call: a panic becomes a transient error (its transaction is rolled back by
+/// the caller), and the call's duration is recorded as one `handler_duration` sample.
+async fn run_handler<St, H>(
+    shared: &Shared<St, H>,
+    call: impl std::future::Future<Output = Result<(), HandlerError>>,
+) -> Result<(), HandlerError> {
+    let started = Instant::now();
+    let result = AssertUnwindSafe(call).catch_unwind().await;
+    shared
+        .metrics
+        .handler_duration
+        .record(started.elapsed().as_secs_f64());
+    result.unwrap_or_else(|panic| {
+        Err(HandlerError::transient(format!(
+            "handler panicked: {}",
+            panic_message(&*panic)
+        )))
+    })
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

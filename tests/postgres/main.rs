@@ -766,17 +766,90 @@ mod spans {
         }
     }
 
-    #[tokio::test]
-    async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
-        // A global subscriber: a thread-local default races with other tests over tracing's
-        // global callsite-interest cache. Spans of other tests are filtered out by consumer name.
+    /// A global subscriber: a thread-local default races with other tests over tracing's
+    /// global callsite-interest cache. Spans of other tests are filtered out by consumer name.
+    fn capture() -> &'static Capture {
         static CAPTURE: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
-        let capture = CAPTURE.get_or_init(|| {
+        CAPTURE.get_or_init(|| {
             let capture = Capture::default();
             tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
                 .expect("the only global subscriber in this test binary");
             capture
+        })
+    }
+
+    fn spans_of(consumer: &str) -> Vec<Fields> {
+        capture()
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.get("messaging.consumer.group.name").map(String::as_str) == Some(consumer))
+            .cloned()
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_batch_stopped_at_shutdown_marks_every_delivery_it_held_abandoned() {
+        capture();
+        let db = TestDb::new(10).await;
+        let broker = MemoryBroker::new("payments");
+        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        for i in 0..4 {
+            broker.publish_in_lane("p0", format!("evt-{i}"), deposit("a", 1, "p0", i));
+        }
+        let handler = DepositHandler::failing(|m, _| {
+            (m.native_id() == Some("evt-1"))
+                .then(|| HandlerError::transient("later").retry_after(Duration::from_secs(30)))
         });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(
+            Consumer::builder("spans-abandon")
+                .source(broker.source())
+                .inbox(db.inbox())
+                .handler(handler.clone())
+                .batch_linger(Duration::from_millis(300))
+                .build()
+                .unwrap()
+                .run_until(async {
+                    let _ = stopped.await;
+                }),
+        );
+        // The batch runs evt-0 and evt-1 (cut), then each alone: evt-1 then waits to retry,
+        // holding evt-2 and evt-3 behind it in the batch's queue.
+        while handler.calls() < 4 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.send(()).unwrap();
+        run.await.unwrap().unwrap();
+
+        let mut outcomes: Vec<(String, Option<String>)> = spans_of("spans-abandon")
+            .into_iter()
+            .map(|s| {
+                (
+                    s["messaging.message.id"].clone(),
+                    s.get("txinbox.outcome").cloned(),
+                )
+            })
+            .collect();
+        outcomes.sort();
+        let abandoned = Some("abandoned".to_string());
+        assert_eq!(
+            outcomes,
+            [
+                ("evt-0".to_string(), Some("processed".to_string())),
+                ("evt-1".to_string(), abandoned.clone()),
+                ("evt-2".to_string(), abandoned.clone()),
+                ("evt-3".to_string(), abandoned),
+            ],
+            "one span per delivery, each with its outcome"
+        );
+    }
+
+    #[tokio::test]
+    async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
+        let capture = capture();
         let db = TestDb::new(10).await;
         let broker = MemoryBroker::new("payments");
         broker.publish("evt-1", deposit("a", 1, "-", 0));
@@ -891,6 +964,44 @@ mod positions {
             .await
             .unwrap()
             .is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_batch_cut_by_a_dead_letter_stores_the_position_after_its_last_committed_message() {
+        let db = TestDb::new(10).await;
+        let ok = |i| -> &'static str {
+            Box::leak(format!(r#"{{"account":"a","amount":1,"lane":"0","idx":{i}}}"#).into_boxed_str())
+        };
+        // One batch of six: offset 2 is cut out and dead-lettered, so is the last one (5).
+        let source = Positioned(
+            vec![
+                (0, 0, ok(0)),
+                (0, 1, ok(1)),
+                (0, 2, "not json"),
+                (0, 3, ok(3)),
+                (0, 4, ok(4)),
+                (0, 5, "not json"),
+            ]
+            .into_iter(),
+        );
+        Consumer::builder("batch-positions")
+            .source(source)
+            .inbox(db.inbox())
+            .handler(DepositHandler::default())
+            .batch_linger(Duration::from_millis(300))
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        let got = db
+            .inbox()
+            .load_positions("batch-positions", "orders")
+            .await
+            .unwrap();
+        // After 3 and 4 (a batch re-run after the cut), not past the dead letter at 5.
+        assert_eq!(got, [("0".to_string(), 5)]);
+        assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 4);
     }
 }
 
@@ -1433,15 +1544,31 @@ mod batching {
         for i in 0..3 {
             broker.publish_in_lane("z", format!("z-{i}"), "A");
         }
+        while db
+            .scalar("SELECT count(*) FROM batch_effects WHERE message_id LIKE 'z-%'")
+            .await
+            < 3
+        {
+            assert!(Instant::now() < deadline, "lane z finishes");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // After the cool-down (5 s) batching grows back, although at size 1 every transaction
+        // is a lone message's: w-0 runs alone, the rest of lane w queue up behind it and batch.
+        tokio::time::sleep(Duration::from_millis(5500)).await;
+        for i in 0..6 {
+            broker.publish_in_lane("w", format!("w-{i}"), "A");
+        }
         broker.close();
         run.await.unwrap().unwrap();
 
         let fx = effects(&db).await;
-        assert_eq!(fx.len(), 7);
+        assert_eq!(fx.len(), 13);
         assert!(fx.values().all(|(n, _)| *n == 1), "each applied once: {fx:?}");
-        assert_eq!(db.scalar("SELECT sum(n)::bigint FROM hot").await, 7);
+        assert_eq!(db.scalar("SELECT sum(n)::bigint FROM hot").await, 13);
         let z: std::collections::HashSet<i64> = ["z-0", "z-1", "z-2"].iter().map(|id| fx[*id].1[0]).collect();
         assert_eq!(z.len(), 3, "after the deadlock, no batching: {fx:?}");
+        let w: std::collections::HashSet<i64> = (0..6).map(|i| fx[&format!("w-{i}")].1[0]).collect();
+        assert!(w.len() < 6, "after the cool-down, batching is back: {fx:?}");
     }
 
     /// One statement for the whole batch; `handle` for messages that travel alone.

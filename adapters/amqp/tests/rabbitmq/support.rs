@@ -108,7 +108,8 @@ impl TestDb {
         txinbox::migrate(&pool).await.expect("migrate");
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);",
+             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
+             CREATE INDEX ON effects (message_id);",
         )
         .await
         .unwrap();
@@ -185,6 +186,8 @@ pub struct Start {
 #[derive(Clone)]
 pub struct DepositHandler {
     pub calls: Arc<AtomicUsize>,
+    /// Calls for a message whose effect had already committed: a duplicate reached the handler.
+    pub after_commit: Arc<AtomicUsize>,
     fail: Arc<FailFn>,
     hold: Duration,
     pub starts: Arc<Mutex<Vec<Start>>>,
@@ -194,6 +197,7 @@ impl Default for DepositHandler {
     fn default() -> Self {
         DepositHandler {
             calls: Arc::default(),
+            after_commit: Arc::default(),
             fail: Arc::new(|_, _| None),
             hold: Duration::ZERO,
             starts: Arc::default(),
@@ -247,6 +251,14 @@ impl Handler<Postgres> for DepositHandler {
             return Err(e);
         }
         let d: Deposit = msg.json()?;
+        let id = cx.message_id().to_string();
+        let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
+            .bind(&id)
+            .fetch_one(cx.db())
+            .await?;
+        if committed > 0 {
+            self.after_commit.fetch_add(1, Ordering::SeqCst);
+        }
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES ($1, $2)
              ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
