@@ -175,14 +175,15 @@ impl Kafka {
             .collect()
     }
 
-    /// Whether the database positions reached the end of every partition.
+    /// Whether the database positions and the group's committed offsets both reached the end
+    /// of every partition. A ledger that holds only some partitions (killed members keep theirs
+    /// until their session times out) or has not committed yet is not done.
     pub async fn consumed(&self, pool: &PgPool) -> anyhow::Result<bool> {
         let positions = self.database_positions(pool).await?;
-        Ok(self
-            .ends()
-            .iter()
-            .enumerate()
-            .all(|(p, end)| *end == 0 || positions.get(&(p as i32)) == Some(end)))
+        let committed = self.committed_offsets().await?;
+        Ok(self.ends().iter().enumerate().all(|(p, end)| {
+            *end == 0 || (positions.get(&(p as i32)) == Some(end) && committed[p] == Some(*end))
+        }))
     }
 
     /// Records not acknowledged: per partition, the end of the partition minus the group's

@@ -10,7 +10,7 @@
 //!   consuming member while a second member joins the group, which is then SIGKILLed too; then
 //!   `after_claim`, `after_handler`, `after_commit`, `batch_open`) with
 //!   `TXINBOX_CRASH_AT=<point>:<n>`, where the ledger must abort by itself (SIGABRT). A point
-//!   this build never reaches (the ledger finished `n` + 100 events, or nothing for 20 s,
+//!   this build never reaches (the ledger finished `n` + 1,000 events, or nothing for 20 s,
 //!   without aborting) is reported as "not reached", and is a failure unless it is listed in
 //!   `--allow-unreached`;
 //! - then, with the second half of the events published, `--random-kills` times with SIGKILL
@@ -68,8 +68,9 @@ const POLL: Duration = Duration::from_millis(100);
 /// How long a stopping ledger may take to exit after SIGTERM.
 const GRACE: Duration = Duration::from_secs(30);
 /// A crash point counts as not reached once this many more messages than its `n` were applied
-/// without an abort.
-const NOT_REACHED_MARGIN: u64 = 100;
+/// without an abort (a point on the batch path is hit once per batch of up to 100 messages,
+/// and several lanes commit batches at once).
+const NOT_REACHED_MARGIN: u64 = 1_000;
 /// A crash-point run that finishes no event for this long (a restart after a kill included)
 /// has nothing left to do: the point counts as not reached.
 const STALL: Duration = Duration::from_secs(20);
@@ -314,8 +315,8 @@ impl Side {
         }
     }
 
-    /// The points in the order they are run: `rebalance` first, while most of the first wave
-    /// is still to be consumed, so that the revocation happens mid-stream.
+    /// The points in the order they are run, each on its own share of the first wave:
+    /// `rebalance` first (a revocation while a second member joins), then the message path.
     fn points(&self) -> Vec<&'static str> {
         let mut points = Vec::new();
         if matches!(self, Side::Kafka(_)) {
@@ -564,23 +565,27 @@ impl Chaos {
     }
 
     async fn matrix_and_kills(&mut self, args: &Args, plan: &Plan, deadline: Instant) -> anyhow::Result<()> {
-        self.publish(&plan.first_wave).await?;
-        println!(
-            "   published {} messages (first wave); {} more follow after the crash points",
-            plan.first_wave.len(),
-            plan.second_wave.len()
-        );
         let points = self.side.points();
-        // The n-th hit: early enough that the first wave cannot run out before every point.
-        let most = (self.published / (4 * points.len() as u64)).clamp(1, 25) as u32;
         for point in crash::POINTS {
             self.report.points.insert(point, PointResult::NotApplicable);
         }
+        // Each crash point gets a fresh share of the first wave, published just before its run:
+        // the runtime batches, so one run can consume everything already published, and a
+        // point must never find nothing left to process.
+        let share = plan.first_wave.len().div_ceil(points.len());
+        let mut chunks = plan.first_wave.chunks(share.max(1));
         for point in points {
+            let chunk = chunks.next().unwrap_or(&[]);
+            self.publish(chunk).await?;
+            let fresh = chunk.iter().filter(|m| m.copy == 0).count() as u64;
+            println!("   published {} messages for {point}", chunk.len());
             let result = if point == crash::REBALANCE {
                 // The first revocation: the one the joining member causes.
                 self.rebalance_run(1).await?
             } else {
+                // The n-th hit: early enough that this share cannot run out before it. A point
+                // on the batch path is hit once per batch (up to 100 messages), not per message.
+                let most = (fresh / 100).clamp(1, 3) as u32;
                 let nth = self.rng.u32(1..=most);
                 self.point_run(point, nth).await?
             };
@@ -592,6 +597,9 @@ impl Chaos {
             if let Some(why) = failed {
                 anyhow::bail!(why);
             }
+        }
+        for chunk in chunks {
+            self.publish(chunk).await?;
         }
         self.publish(&plan.second_wave).await?;
         println!("   published {} messages (second wave)", plan.second_wave.len());
