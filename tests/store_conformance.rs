@@ -272,6 +272,39 @@ where
 /// The batch claim contract: `claim_batch` decides every entry as `claim` would, in order, in
 /// one transaction, including repeats of one key inside the batch; `confirm_batch` sees the
 /// batch's rows.
+/// `record_duplicates`: one count per entry, repeats included, only when committed.
+/// `duplicates(id)` reads the `duplicates` column of consumer "dups"'s row for `id`.
+async fn duplicates_suite<S, F, Fut>(store: Arc<S>, duplicates: F)
+where
+    S: InboxStore,
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = i64>,
+{
+    let c = "dups";
+    let (x, y) = (Keyed::new("x", "p-x"), Keyed::new("y", "p-y"));
+    for k in [&x, &y] {
+        assert_eq!(claim(&*store, &k.entry(c), true).await, Claim::New { attempt: 1 });
+    }
+    let entries = [x.entry(c), x.entry(c), y.entry(c)];
+    let mut tx = store.begin().await.unwrap();
+    store.record_duplicates(&mut *tx, &entries).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        (duplicates("x").await, duplicates("y").await),
+        (0, 0),
+        "rolled back"
+    );
+    let mut tx = store.begin().await.unwrap();
+    store.record_duplicates(&mut *tx, &entries).await.unwrap();
+    store.record_duplicates(&mut *tx, &[]).await.unwrap();
+    store.commit(tx).await.unwrap();
+    assert_eq!(
+        (duplicates("x").await, duplicates("y").await),
+        (2, 1),
+        "one per entry"
+    );
+}
+
 async fn batch_suite<S: InboxStore>(store: Arc<S>) {
     let c = "batch";
     // State before the batch: "done" processed, "dead" dead-lettered, "retry" failed once.
@@ -443,6 +476,20 @@ async fn postgres_store_conforms() {
     )
     .await;
     batch_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
+    let read_pool = pool.clone();
+    duplicates_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone())), move |id| {
+        let pool = read_pool.clone();
+        async move {
+            sqlx::query_scalar(
+                "SELECT duplicates FROM txinbox.inbox WHERE consumer = 'dups' AND message_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
     pool.close().await;
     conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)")))
         .await
@@ -469,6 +516,20 @@ async fn sqlite_store_conforms() {
                 .fetch_one(&pool)
                 .await
                 .unwrap()
+        }
+    })
+    .await;
+    let read_pool = store.pool().clone();
+    duplicates_suite(Arc::new(store.clone()), move |id| {
+        let pool = read_pool.clone();
+        async move {
+            sqlx::query_scalar(
+                "SELECT duplicates FROM txinbox_inbox WHERE consumer = 'dups' AND message_id = ?1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
         }
     })
     .await;

@@ -270,14 +270,18 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     }
     crate::crash::hit(crate::crash::AFTER_CLAIM);
     let mut new = Vec::with_capacity(batch.len());
+    let mut duplicates = Vec::new();
     for (i, claim) in claims.iter().enumerate() {
         match *claim {
             Claim::New { attempt } => {
                 batch[i].span.record("txinbox.attempt", attempt);
                 new.push((i, attempt));
             }
-            _ => store.record_duplicate(&mut *tx, &entries[i]).await?,
+            _ => duplicates.push(entries[i]),
         }
+    }
+    if !duplicates.is_empty() {
+        store.record_duplicates(&mut *tx, &duplicates).await?;
     }
 
     if !new.is_empty() {
@@ -544,7 +548,9 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             return Ok(Attempt::DeadLetteredBefore);
         }
         Claim::Duplicate(_) => {
-            store.record_duplicate(&mut *tx, entry).await?;
+            store
+                .record_duplicates(&mut *tx, std::slice::from_ref(entry))
+                .await?;
             if let Some(p) = position {
                 store.save_position(&mut *tx, &shared.name, p).await?;
             }

@@ -108,12 +108,14 @@ pub trait InboxStore: Send + Sync + 'static {
         position: &Position,
     ) -> Result<(), StoreError>;
 
-    /// Counts one more duplicate delivery of `entry`'s message, in the duplicate's transaction
-    /// (with its position, if any). Read by operators (`txinbox status`); changes no status.
-    async fn record_duplicate(
+    /// Counts duplicate deliveries, one per entry (an ID listed twice counts twice), in the
+    /// duplicates' transaction (with their position, if any), in one statement whatever the
+    /// number of entries. All entries belong to one consumer. Read by operators
+    /// (`txinbox status`); changes no status.
+    async fn record_duplicates(
         &self,
         conn: &mut Connection<Self>,
-        entry: &Entry<'_>,
+        entries: &[Entry<'_>],
     ) -> Result<(), StoreError>;
 
     /// Counts a failed attempt and keeps its error, in its own transaction. Returns the number of

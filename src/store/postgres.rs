@@ -136,8 +136,11 @@ INSERT INTO txinbox.dead_letters
      source_system, destination, source_partition, source_offset)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
-const RECORD_DUPLICATE: &str =
-    "UPDATE txinbox.inbox SET duplicates = duplicates + 1 WHERE consumer = $1 AND message_id = $2";
+/// `$2`: the duplicates' IDs, repeats included. The rows are already locked by the claim.
+const RECORD_DUPLICATES: &str = "\
+UPDATE txinbox.inbox AS i SET duplicates = i.duplicates + d.n
+FROM (SELECT id, count(*) AS n FROM UNNEST($2::text[]) AS id GROUP BY id) AS d
+WHERE i.consumer = $1 AND i.message_id = d.id";
 
 const SAVE_POSITION: &str = "\
 INSERT INTO txinbox.positions (consumer, source, lane, next_position)
@@ -310,10 +313,18 @@ impl InboxStore for PostgresInbox {
         Ok(())
     }
 
-    async fn record_duplicate(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<(), StoreError> {
-        sqlx::query(RECORD_DUPLICATE)
-            .bind(entry.consumer)
-            .bind(entry.id.as_str())
+    async fn record_duplicates(
+        &self,
+        conn: &mut PgConnection,
+        entries: &[Entry<'_>],
+    ) -> Result<(), StoreError> {
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+        sqlx::query(RECORD_DUPLICATES)
+            .bind(first.consumer)
+            .bind(&ids)
             .execute(conn)
             .await
             .map_err(classify)?;

@@ -111,8 +111,11 @@ INSERT INTO txinbox_dead_letters
      source_system, destination, source_partition, source_offset)
 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
 
-const RECORD_DUPLICATE: &str =
-    "UPDATE txinbox_inbox SET duplicates = duplicates + 1 WHERE consumer = ?1 AND message_id = ?2";
+/// `?2`: the duplicates' IDs as a JSON array, repeats included.
+const RECORD_DUPLICATES: &str = "\
+UPDATE txinbox_inbox
+SET duplicates = duplicates + (SELECT count(*) FROM json_each(?2) WHERE value = txinbox_inbox.message_id)
+WHERE consumer = ?1 AND message_id IN (SELECT value FROM json_each(?2))";
 
 const SAVE_POSITION: &str = "\
 INSERT INTO txinbox_positions (consumer, source, lane, next_position)
@@ -199,14 +202,18 @@ impl InboxStore for SqliteInbox {
         Ok(())
     }
 
-    async fn record_duplicate(
+    async fn record_duplicates(
         &self,
         conn: &mut SqliteConnection,
-        entry: &Entry<'_>,
+        entries: &[Entry<'_>],
     ) -> Result<(), StoreError> {
-        sqlx::query(RECORD_DUPLICATE)
-            .bind(entry.consumer)
-            .bind(entry.id.as_str())
+        let Some(first) = entries.first() else {
+            return Ok(());
+        };
+        let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+        sqlx::query(RECORD_DUPLICATES)
+            .bind(first.consumer)
+            .bind(serde_json::to_string(&ids).expect("strings serialize"))
             .execute(conn)
             .await
             .map_err(classify)?;
