@@ -69,11 +69,13 @@ fn span_for<St, H>(shared: &Shared<St, H>, msg: &crate::message::Message) -> Spa
 /// unsettled (shutdown or a fatal error came first): its lane must not go on without it.
 async fn process_alone<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
-    delivery: D,
-    span: Span,
+    item: Item<D>,
 ) -> bool {
+    let Item {
+        delivery, span, key, ..
+    } = item;
     async move {
-        let Some(verdict) = decide(shared, &delivery).await else {
+        let Some(verdict) = decide(shared, &delivery, key).await else {
             tracing::Span::current().record("txinbox.outcome", "abandoned");
             tracing::debug!("left unsettled at shutdown; the broker will redeliver it");
             return false;
@@ -170,7 +172,7 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            if !process_alone(shared, item.delivery, item.span).await {
+            if !process_alone(shared, item).await {
                 if ordered {
                     abandon(&queue);
                     return false;
@@ -386,14 +388,25 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     Ok(Trip::Committed(claims))
 }
 
-/// Runs the database side to a verdict. `None`: shutdown (or a fatal error) came first and the
-/// delivery must stay unsettled.
+/// Runs the database side to a verdict. `key`: the ID and fingerprint [`Item::new`] derived,
+/// `None` if the message has no usable ID or is too large (dead-lettered here, with the reason).
+/// `None` returned: shutdown (or a fatal error) came first and the delivery must stay unsettled.
 async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     delivery: &D,
+    key: Option<(MessageId, [u8; 32])>,
 ) -> Option<Verdict> {
     let msg = delivery.message();
     let position = delivery.position();
+    if let Some((id, fingerprint)) = key {
+        let entry = Entry {
+            consumer: &shared.name,
+            id: &id,
+            fingerprint: &fingerprint,
+            origin: msg.origin(),
+        };
+        return claim_and_run(shared, delivery, &id, entry, position.as_ref()).await;
+    }
     let id = match shared.id_strategy.derive(msg) {
         Ok(id) => id,
         Err(missing) => {
@@ -436,6 +449,18 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         .await;
     }
 
+    claim_and_run(shared, delivery, &id, entry, position.as_ref()).await
+}
+
+/// Claims and runs a message with a usable ID through its transaction until a verdict: backs
+/// off while the database is unavailable, retries in place or hands back a retry, dead-letters.
+async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
+    shared: &Shared<St, H>,
+    delivery: &D,
+    id: &MessageId,
+    entry: Entry<'_>,
+    position: Option<&Position>,
+) -> Option<Verdict> {
     let mut store_failures = 0;
     loop {
         // The concurrency permit bounds open transactions, so it is held for one trip only,
@@ -445,7 +470,7 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             .acquire()
             .await
             .expect("semaphore is never closed");
-        let outcome = attempt(shared, delivery, &id, &entry, position.as_ref()).await;
+        let outcome = attempt(shared, delivery, id, &entry, position).await;
         drop(permit);
         let outcome = match outcome {
             Ok(outcome) => {
