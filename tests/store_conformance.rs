@@ -270,8 +270,8 @@ where
 }
 
 /// The batch claim contract: `claim_batch` decides every entry as `claim` would, in order, in
-/// one transaction, including repeats of one key inside the batch; `confirm_batch` sees the
-/// batch's rows.
+/// one transaction, including repeats of one key inside the batch; `confirm_batch` sees
+/// whether the transaction still holds the batch's rows.
 /// `record_duplicates`: one count per entry, repeats included, only when committed.
 /// `duplicates(id)` reads the `duplicates` column of consumer "dups"'s row for `id`.
 async fn duplicates_suite<S, F, Fut>(store: Arc<S>, duplicates: F)
@@ -305,7 +305,11 @@ where
     );
 }
 
-async fn batch_suite<S: InboxStore>(store: Arc<S>) {
+async fn batch_suite<S>(store: Arc<S>)
+where
+    S: InboxStore,
+    for<'c> &'c mut <S::Db as sqlx::Database>::Connection: sqlx::Executor<'c, Database = S::Db>,
+{
     let c = "batch";
     // State before the batch: "done" processed, "dead" dead-lettered, "retry" failed once.
     let done = Keyed::new("done", "p-done");
@@ -376,10 +380,10 @@ async fn batch_suite<S: InboxStore>(store: Arc<S>) {
     let not_claimed = Keyed::new("never", "p-never");
     assert!(
         !store
-            .confirm_batch(&mut *tx, &[x.entry(c), not_claimed.entry(c)])
+            .confirm_batch(&mut *tx, &[not_claimed.entry(c)])
             .await
             .unwrap(),
-        "a key the batch does not hold is not confirmed"
+        "a key the transaction does not hold is not confirmed"
     );
     store.commit(tx).await.unwrap();
     for k in [&x, &y, &retry] {
@@ -424,6 +428,22 @@ async fn batch_suite<S: InboxStore>(store: Arc<S>) {
             Claim::Duplicate(InboxStatus::Processed),
             Claim::Duplicate(InboxStatus::Processed)
         ]
+    );
+
+    // A handler that ends the transaction itself takes the batch's claim with it.
+    let (u, v) = (Keyed::new("u", "p-u"), Keyed::new("v", "p-v"));
+    let mut tx = store.begin().await.unwrap();
+    let batch = [u.entry(c), v.entry(c)];
+    store.claim_batch(&mut *tx, &batch).await.unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert!(
+        !store.confirm_batch(&mut *tx, &batch).await.unwrap(),
+        "a batch whose transaction was rolled back under it is not confirmed"
+    );
+    drop(tx);
+    assert_eq!(
+        claim(&*store, &u.entry(c), false).await,
+        Claim::New { attempt: 1 }
     );
 
     // An empty batch claims nothing.

@@ -258,38 +258,20 @@ impl InboxStore for PostgresInbox {
         super::resolve_batch(entries, &claimed, &existing)
     }
 
-    async fn confirm_batch(
-        &self,
-        conn: &mut PgConnection,
-        entries: &[Entry<'_>],
-    ) -> Result<bool, StoreError> {
-        let Some(first) = entries.first() else {
-            return Ok(true);
-        };
-        let found = sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM txinbox.inbox WHERE consumer = $1 AND message_id = ANY($2) AND status = 'processed'",
-        )
-        .bind(first.consumer)
-        .bind(entries.iter().map(|e| e.id.as_str()).collect::<Vec<_>>())
-        .fetch_one(conn)
-        .await;
-        match found {
-            Ok(n) => Ok(n == entries.len() as i64),
-            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
-            Err(e) => Err(classify(e)),
-        }
-    }
-
     async fn confirm(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
-        let found = sqlx::query_scalar::<_, i32>(
-            "SELECT 1 FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2 AND status = 'processed'",
+        // NOTE: the status is compared here, not in the WHERE clause. `status = 'processed'`
+        // implies the partial index's `status <> 'retrying'`, and a plan cached while the table
+        // was small can then pick that index and filter every row of the consumer: a confirm
+        // that grows with the inbox. Without it, only the primary key can answer.
+        let status = sqlx::query_scalar::<_, String>(
+            "SELECT status FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2",
         )
         .bind(entry.consumer)
         .bind(entry.id.as_str())
         .fetch_optional(conn)
         .await;
-        match found {
-            Ok(row) => Ok(row.is_some()),
+        match status {
+            Ok(status) => Ok(status.as_deref() == Some("processed")),
             // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
             Err(e) => Err(classify(e)),
