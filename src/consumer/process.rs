@@ -369,7 +369,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         if let Err(e) = store.save_position(&mut *tx, &shared.name, p).await {
             drop(tx.rollback().await);
             tracing::info!(error = %e, "storing a batch's position failed; each message runs alone");
-            return Ok(Trip::Unknown(!e.is_unavailable() && e.is_transient()));
+            return Ok(Trip::Unknown(e.is_contention()));
         }
     }
     crate::crash::hit(crate::crash::AFTER_HANDLER);
@@ -378,7 +378,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         // Outcome unknown: never acked. Alone, each message goes through the claim again and
         // becomes a duplicate if this COMMIT did succeed.
         tracing::info!(error = %e, size = batch.len(), "a batch's COMMIT failed; each message runs alone");
-        return Ok(Trip::Unknown(!e.is_unavailable() && e.is_transient()));
+        return Ok(Trip::Unknown(e.is_contention()));
     }
     shared
         .metrics

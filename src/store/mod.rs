@@ -362,6 +362,12 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         self.kind == StoreErrorKind::Unavailable
     }
+
+    /// Whether the statement lost a conflict with another transaction (deadlock, serialization
+    /// failure, lock or statement timeout): retry the work, the database is fine.
+    pub fn is_contention(&self) -> bool {
+        self.kind == StoreErrorKind::Contention
+    }
 }
 
 impl fmt::Display for StoreError {
