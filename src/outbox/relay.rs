@@ -356,9 +356,6 @@ FROM txinbox.outbox WHERE status = 'pending'";
 /// Longest pause between rounds while the broker looks unavailable.
 const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(30);
 
-/// Longest error text stored in `last_error`.
-const MAX_ERROR_LEN: usize = 2000;
-
 impl<P: Publisher> Relay<P> {
     /// A relay over the outbox in `pool`'s database (run [`migrate`](crate::migrate) first),
     /// publishing through `publisher`.
@@ -585,7 +582,7 @@ impl<P: Publisher> Relay<P> {
             let delay = self.config.retry.delay(attempt, None);
             sqlx::query(MARK_FAILED)
                 .bind(row.id)
-                .bind(truncate(&e.to_string(), MAX_ERROR_LEN))
+                .bind(crate::store::clean_text(&e.to_string()))
                 .bind(delay.as_secs_f64())
                 .bind(dead)
                 .execute(&mut *tx)
@@ -747,15 +744,4 @@ fn claimed(row: sqlx::postgres::PgRow) -> Result<Claimed, sqlx::Error> {
             headers,
         },
     })
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}…", &s[..end])
 }
