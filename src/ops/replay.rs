@@ -143,18 +143,13 @@ pub async fn set_positions(
         return Ok(false);
     }
     for (lane, next) in positions {
-        sqlx::query(
-            "INSERT INTO txinbox.positions (consumer, source, lane, next_position)
-             VALUES ($1, $2, $3, $4)
-             ON CONFLICT (consumer, source, lane) DO UPDATE
-                 SET next_position = EXCLUDED.next_position, updated_at = now()",
-        )
-        .bind(consumer)
-        .bind(source)
-        .bind(lane)
-        .bind(next)
-        .execute(&mut *tx)
-        .await?;
+        sqlx::query(crate::store::postgres::SAVE_POSITION)
+            .bind(consumer)
+            .bind(source)
+            .bind(lane)
+            .bind(next)
+            .execute(&mut *tx)
+            .await?;
     }
     tx.commit().await?;
     Ok(true)

@@ -142,7 +142,9 @@ UPDATE txinbox.inbox AS i SET duplicates = i.duplicates + d.n
 FROM (SELECT id, count(*) AS n FROM UNNEST($2::text[]) AS id GROUP BY id) AS d
 WHERE i.consumer = $1 AND i.message_id = d.id";
 
-const SAVE_POSITION: &str = "\
+/// Stores a lane's next position (`$1` consumer, `$2` source, `$3` lane, `$4` next); also
+/// what `ops::replay` writes.
+pub(crate) const SAVE_POSITION: &str = "\
 INSERT INTO txinbox.positions (consumer, source, lane, next_position)
 VALUES ($1, $2, $3, $4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
