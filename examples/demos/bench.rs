@@ -190,9 +190,10 @@ impl Probe {
         let end = self.done_at.get().copied().unwrap_or_else(Instant::now);
         end - self.started_at.get().copied().unwrap_or(end)
     }
-    fn record(&self, message: &Message) {
+    /// One settled message; `sent`: its publish time, if its payload carries one.
+    fn record(&self, sent: Option<u64>) {
         let warm = self.started_at.get().is_some();
-        if let (true, Some(sent)) = (warm, published_at(message)) {
+        if let (true, Some(sent)) = (warm, sent) {
             self.latency.record(now_micros().saturating_sub(sent));
         }
         if self.settled.fetch_add(1, Ordering::Relaxed) + 1 >= self.target {
@@ -268,10 +269,10 @@ impl<D: Delivery> Delivery for TimedDelivery<D> {
     }
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         let ack = settlement == Settlement::Ack;
-        let message = self.inner.message().clone();
+        let sent = published_at(self.inner.message());
         let result = self.inner.settle(settlement).await;
         if ack && result.is_ok() {
-            self.probe.record(&message);
+            self.probe.record(sent);
         }
         result
     }
@@ -506,7 +507,9 @@ impl Bench {
         match mode {
             Mode::Raw => {
                 let mut source = timed;
-                while probe.settled() < n {
+                // Until the probe has every message (the warm-up one included): the loop ends
+                // through `wait_done`, never on a count that could miss the last delivery.
+                loop {
                     let received = tokio::select! {
                         r = source.receive() => r?,
                         _ = probe.wait_done() => break,
@@ -886,8 +889,9 @@ fn print_row(r: &Row) {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
-    let admin: PgConnectOptions = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    let database_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let admin: PgConnectOptions = database_url
         .parse()
         .context("DATABASE_URL does not parse; expected postgres://user@host:port/database")?;
     let run_id = format!("{}-{}", std::process::id(), now_micros() % 1_000_000);
@@ -898,32 +902,32 @@ async fn main() -> anyhow::Result<()> {
         .context("connecting to PostgreSQL at DATABASE_URL (is it running?)")?;
     conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
         .await?;
+    let drop_database = format!("DROP DATABASE IF EXISTS {db_name} WITH (FORCE)");
     let options = admin.clone().database(&db_name);
-    let url = {
-        // pgbench takes a libpq URI; the scratch database on the same server.
-        let raw = std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        match raw.rfind('/') {
-            Some(i) if raw[..i].contains("://") && raw[i + 1..].split('?').next().is_some() => {
-                let query = raw[i + 1..]
-                    .split_once('?')
-                    .map(|(_, q)| format!("?{q}"))
-                    .unwrap_or_default();
-                format!("{}/{db_name}{query}", &raw[..i])
-            }
-            _ => raw,
+    // pgbench takes a libpq URI: the scratch database on the same server.
+    let url = txinbox_demos::with_database(&database_url, &db_name);
+    let setup = async {
+        let pool = PgPoolOptions::new()
+            .max_connections(args.concurrency as u32 + 2)
+            .connect_with(PostgresInbox::connect_options(options))
+            .await?;
+        txinbox::migrate(&pool).await?;
+        pool.execute(
+            "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
+             CREATE SEQUENCE bench_pgb_seq;",
+        )
+        .await?;
+        anyhow::Ok(pool)
+    }
+    .await;
+    let pool = match setup {
+        Ok(pool) => pool,
+        Err(e) => {
+            // The scratch database is dropped on every way out, not left behind.
+            let _ = conn.execute(sqlx::AssertSqlSafe(drop_database)).await;
+            return Err(e);
         }
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(args.concurrency as u32 + 2)
-        .connect_with(PostgresInbox::connect_options(options))
-        .await?;
-    txinbox::migrate(&pool).await?;
-    pool.execute(
-        "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
-         CREATE SEQUENCE bench_pgb_seq;",
-    )
-    .await?;
     let bench = Bench {
         args: args.clone(),
         pool: pool.clone(),
@@ -1007,10 +1011,7 @@ async fn main() -> anyhow::Result<()> {
     };
 
     pool.close().await;
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {db_name} WITH (FORCE)"
-    )))
-    .await?;
+    conn.execute(sqlx::AssertSqlSafe(drop_database)).await?;
     result?;
     long
 }

@@ -107,7 +107,7 @@ impl BatchHandler<Postgres> for Ledger {
         for m in batch {
             let payment = decode(m.message())?;
             *totals.entry(payment.account.clone()).or_default() += payment.amount_cents;
-            event_ids.push(m.id().as_str().to_owned());
+            event_ids.push(m.id().as_str());
             accounts.push(payment.account);
             amounts.push(payment.amount_cents);
         }

@@ -357,7 +357,7 @@ impl Database {
             .connect_with(admin.clone().database(name))
             .await?;
         Ok(Database {
-            url: with_database(admin_url, name),
+            url: txinbox_demos::with_database(admin_url, name),
             name: name.to_owned(),
             admin,
             pool,
@@ -386,23 +386,6 @@ impl Database {
         )))
         .await?;
         Ok(())
-    }
-}
-
-/// `url` with its database replaced by `name` (query parameters kept).
-fn with_database(url: &str, name: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, Some(q)),
-        None => (url, None),
-    };
-    let authority_start = base.find("://").map_or(0, |i| i + 3);
-    let base = match base[authority_start..].find('/') {
-        Some(slash) => &base[..authority_start + slash],
-        None => base,
-    };
-    match query {
-        Some(q) => format!("{base}/{name}?{q}"),
-        None => format!("{base}/{name}"),
     }
 }
 
@@ -572,10 +555,16 @@ impl Chaos {
         // Each crash point gets a fresh share of the first wave, published just before its run:
         // the runtime batches, so one run can consume everything already published, and a
         // point must never find nothing left to process.
-        let share = plan.first_wave.len().div_ceil(points.len());
-        let mut chunks = plan.first_wave.chunks(share.max(1));
-        for point in points {
-            let chunk = chunks.next().unwrap_or(&[]);
+        // An even split: the first `extra` points get one more, so no point gets an empty share
+        // while there are at least as many events as points.
+        let (share, extra) = (
+            plan.first_wave.len() / points.len(),
+            plan.first_wave.len() % points.len(),
+        );
+        let mut rest = &plan.first_wave[..];
+        for (i, point) in points.into_iter().enumerate() {
+            let (chunk, after) = rest.split_at(share + usize::from(i < extra));
+            rest = after;
             self.publish(chunk).await?;
             let fresh = chunk.iter().filter(|m| m.copy == 0).count() as u64;
             println!("   published {} messages for {point}", chunk.len());
@@ -597,9 +586,6 @@ impl Chaos {
             if let Some(why) = failed {
                 anyhow::bail!(why);
             }
-        }
-        for chunk in chunks {
-            self.publish(chunk).await?;
         }
         self.publish(&plan.second_wave).await?;
         println!("   published {} messages (second wave)", plan.second_wave.len());
@@ -912,26 +898,4 @@ fn print_summary(reports: &[Report]) {
         println!("{point:<14} {cells}");
     }
     println!("(duplicates absorbed: published copies beyond the first that left no second entry; the redeliveries caused by the kills are absorbed too but not counted)");
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_database;
-
-    #[test]
-    fn the_database_is_replaced_and_the_rest_kept() {
-        assert_eq!(
-            with_database("postgres://postgres@127.0.0.1:5432/postgres", "x"),
-            "postgres://postgres@127.0.0.1:5432/x"
-        );
-        assert_eq!(
-            with_database("postgres://u:p@h/db?sslmode=require", "x"),
-            "postgres://u:p@h/x?sslmode=require"
-        );
-        assert_eq!(with_database("postgres://h:5432", "x"), "postgres://h:5432/x");
-        assert_eq!(
-            with_database("postgres://h:5432?sslmode=disable", "x"),
-            "postgres://h:5432/x?sslmode=disable"
-        );
-    }
 }
