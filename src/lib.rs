@@ -64,6 +64,7 @@ mod handler;
 mod message;
 #[cfg(feature = "postgres")]
 pub mod ops;
+pub mod redact;
 mod retry;
 mod router;
 mod source;
@@ -82,7 +83,7 @@ pub use consumer::{DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE};
 pub use error::Error;
 pub use handler::{BatchContext, BatchHandler, BatchMessage};
 pub use handler::{Context, Handler, HandlerError};
-pub use message::{Fingerprint, Headers, IdStrategy, Message, MessageId, MissingId, Origin, MAX_ID_LEN};
+pub use message::{Fingerprint, Headers, IdError, IdStrategy, Message, MessageId, Origin, MAX_ID_LEN};
 pub use retry::RetryPolicy;
 pub use router::Router;
 pub use source::{

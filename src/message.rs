@@ -2,7 +2,7 @@
 //!
 //! Payloads and headers are untrusted bytes: nothing here panics on invalid UTF-8, missing
 //! headers or malformed JSON. A message whose identity cannot be derived gets a
-//! [`MissingId`] and is dead-lettered by the runtime, never processed without deduplication.
+//! [`IdError`] and is dead-lettered by the runtime, never processed without deduplication.
 
 use std::fmt;
 use std::sync::Arc;
@@ -251,42 +251,84 @@ impl IdStrategy {
         }
     }
 
-    /// Derives the ID of `message`.
-    pub fn derive(&self, message: &Message) -> Result<MessageId, MissingId> {
-        let missing = || MissingId {
-            strategy: self.label(),
+    /// Derives the ID of `message`: `Ok` only for an ID that can be stored (at most
+    /// [`MAX_ID_LEN`] bytes, no NUL character).
+    pub fn derive(&self, message: &Message) -> Result<MessageId, IdError> {
+        self.derive_from(message, true)
+    }
+
+    /// [`derive`](Self::derive), without looking into the payload when `read_payload` is
+    /// false (a message over the size limit): strategies that need it (JSON pointer, a
+    /// structured CloudEvent, the payload hash) then report the ID missing. The value is
+    /// checked before it is copied.
+    pub(crate) fn derive_from(&self, message: &Message, read_payload: bool) -> Result<MessageId, IdError> {
+        let parsed;
+        let payload_json = |ptr: Option<&str>| -> Option<serde_json::Value> {
+            if !read_payload {
+                return None;
+            }
+            let v: serde_json::Value = serde_json::from_slice(message.payload()).ok()?;
+            match ptr {
+                Some(ptr) => v.pointer(ptr).cloned(),
+                None => Some(v),
+            }
         };
-        let value = match self {
-            IdStrategy::Native => message.native_id().map(str::to_owned),
-            IdStrategy::Header(name) => message.headers().get_str(name).map(str::to_owned),
-            IdStrategy::CloudEvents => ["ce_id", "cloudEvents:id", "cloudEvents_id"]
+        let value: Option<std::borrow::Cow<'_, str>> = match self {
+            IdStrategy::Native => message.native_id().map(Into::into),
+            IdStrategy::Header(name) => message.headers().get_str(name).map(Into::into),
+            IdStrategy::CloudEvents => match ["ce_id", "cloudEvents:id", "cloudEvents_id"]
                 .iter()
                 .find_map(|h| message.headers().get_str(h))
-                .map(str::to_owned)
-                .or_else(|| {
-                    let v: serde_json::Value = serde_json::from_slice(message.payload()).ok()?;
-                    v.get("specversion")?;
-                    json_scalar(v.get("id")?)
-                }),
-            IdStrategy::JsonPointer(ptr) => serde_json::from_slice::<serde_json::Value>(message.payload())
-                .ok()
-                .and_then(|v| v.pointer(ptr).and_then(json_scalar)),
+            {
+                Some(v) => Some(v.into()),
+                None => {
+                    parsed = payload_json(None);
+                    parsed
+                        .as_ref()
+                        .filter(|v| v.get("specversion").is_some())
+                        .and_then(|v| json_scalar(v.get("id")?))
+                        .map(Into::into)
+                }
+            },
+            IdStrategy::JsonPointer(ptr) => payload_json(Some(ptr))
+                .as_ref()
+                .and_then(json_scalar)
+                .map(Into::into),
             IdStrategy::Offset => {
                 let o = message.origin();
                 match (o.partition, o.offset) {
-                    (Some(p), Some(off)) => Some(format!("{}/{p}/{off}", o.destination)),
+                    (Some(p), Some(off)) => Some(format!("{}/{p}/{off}", o.destination).into()),
                     _ => None,
                 }
             }
-            IdStrategy::PayloadHash => Some(hex(&Sha256::digest(message.payload()))),
+            IdStrategy::PayloadHash if read_payload => Some(hex(&Sha256::digest(message.payload())).into()),
+            IdStrategy::PayloadHash => None,
         };
-        match value {
-            Some(v) if !v.is_empty() => Ok(MessageId {
-                value: v,
-                strategy: self.label(),
-            }),
-            _ => Err(missing()),
+        let value = match value {
+            Some(v) if !v.is_empty() => v,
+            _ => {
+                return Err(IdError::Missing {
+                    strategy: self.label(),
+                })
+            }
+        };
+        let invalid = |problem: String| IdError::Invalid {
+            strategy: self.label(),
+            problem,
+        };
+        if value.len() > MAX_ID_LEN {
+            return Err(invalid(format!(
+                "the message ID is {} bytes long; the limit is {MAX_ID_LEN}",
+                value.len()
+            )));
         }
+        if value.contains('\0') {
+            return Err(invalid("the message ID contains a NUL character".into()));
+        }
+        Ok(MessageId {
+            value: value.into_owned(),
+            strategy: self.label(),
+        })
     }
 }
 
@@ -315,21 +357,6 @@ impl MessageId {
     pub fn strategy(&self) -> &str {
         &self.strategy
     }
-
-    /// Why this ID cannot be stored, if it cannot: too long, or containing NUL (which
-    /// PostgreSQL text cannot hold). Such messages are dead-lettered as `invalid_id`.
-    pub(crate) fn problem(&self) -> Option<String> {
-        if self.value.len() > MAX_ID_LEN {
-            Some(format!(
-                "message ID is {} bytes long; the limit is {MAX_ID_LEN}",
-                self.value.len()
-            ))
-        } else if self.value.contains('\0') {
-            Some("message ID contains a NUL character".into())
-        } else {
-            None
-        }
-    }
 }
 
 impl fmt::Display for MessageId {
@@ -338,23 +365,51 @@ impl fmt::Display for MessageId {
     }
 }
 
-/// The message carried no ID under the configured strategy.
-#[derive(Debug, Clone)]
-pub struct MissingId {
-    strategy: String,
+/// Why a message has no usable ID. The runtime dead-letters such a message
+/// ([`reason`](IdError::reason)), never processes it without deduplication.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdError {
+    /// The message carries no ID under the strategy.
+    Missing {
+        /// The strategy's [label](IdStrategy::label).
+        strategy: String,
+    },
+    /// The ID cannot be stored: longer than [`MAX_ID_LEN`] bytes, or containing NUL.
+    Invalid {
+        /// The strategy's [label](IdStrategy::label).
+        strategy: String,
+        /// What is wrong with it.
+        problem: String,
+    },
 }
 
-impl fmt::Display for MissingId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "the message has no ID under strategy `{}`; the producer must set it, or configure another IdStrategy",
-            self.strategy
-        )
+impl IdError {
+    /// The dead-letter reason: `missing_id` or `invalid_id`.
+    pub fn reason(&self) -> crate::DeadLetterReason {
+        match self {
+            IdError::Missing { .. } => crate::DeadLetterReason::MissingId,
+            IdError::Invalid { .. } => crate::DeadLetterReason::InvalidId,
+        }
     }
 }
 
-impl std::error::Error for MissingId {}
+impl fmt::Display for IdError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdError::Missing { strategy } => write!(
+                f,
+                "the message has no ID under strategy `{strategy}`; the producer must set it, or configure another IdStrategy"
+            ),
+            IdError::Invalid { strategy, problem } => write!(
+                f,
+                "{problem} (strategy `{strategy}`); such a message cannot be deduplicated"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for IdError {}
 
 /// How the payload fingerprint is computed. The fingerprint tells a duplicate (same ID, same
 /// fingerprint) from a conflict (same ID, other fingerprint).
@@ -376,11 +431,65 @@ impl Fingerprint {
             Fingerprint::PayloadBytes => Sha256::digest(message.payload()).into(),
             Fingerprint::CanonicalJson => {
                 match serde_json::from_slice::<serde_json::Value>(message.payload()) {
-                    // serde_json's Map is ordered by key unless `preserve_order` is enabled.
-                    Ok(v) => Sha256::digest(v.to_string().as_bytes()).into(),
+                    Ok(v) => {
+                        let mut canonical = String::with_capacity(message.payload().len());
+                        write_canonical(&v, &mut canonical);
+                        Sha256::digest(canonical.as_bytes()).into()
+                    }
                     Err(_) => Sha256::digest(message.payload()).into(),
                 }
             }
+        }
+    }
+}
+
+/// Writes `v` as canonical JSON: object keys sorted by their bytes, no insignificant
+/// whitespace, integers as integers and every other number as the shortest text of its `f64`.
+///
+/// NOTE: written out rather than `v.to_string()`, whose key order is serde_json's `Map` order:
+/// sorted by default, but insertion order as soon as any crate in the build turns on serde_json's
+/// `preserve_order` feature (features unify across the dependency graph), and whose number text
+/// follows the input under `arbitrary_precision`. A fingerprint must not change with the
+/// application's dependencies: it would turn every redelivery into a conflict.
+fn write_canonical(v: &serde_json::Value, out: &mut String) {
+    use serde_json::Value;
+    match v {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                out.push_str(&i.to_string());
+            } else if let Some(u) = n.as_u64() {
+                out.push_str(&u.to_string());
+            } else {
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                out.push_str(&serde_json::to_string(&f).unwrap_or_else(|_| "null".into()));
+            }
+        }
+        Value::String(s) => out.push_str(&serde_json::to_string(s).expect("a string serializes")),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push('{');
+            for (i, (key, value)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::to_string(key).expect("a string serializes"));
+                out.push(':');
+                write_canonical(value, out);
+            }
+            out.push('}');
         }
     }
 }
@@ -466,13 +575,62 @@ mod tests {
     }
 
     #[test]
-    fn unstorable_ids_are_reported() {
-        let id = |v: &str| MessageId {
-            value: v.into(),
-            strategy: "x".into(),
-        };
-        assert!(id("ok").problem().is_none());
-        assert!(id("a\0b").problem().is_some());
-        assert!(id(&"x".repeat(MAX_ID_LEN + 1)).problem().is_some());
+    fn unstorable_ids_are_refused_before_they_are_copied() {
+        let with = |v: &str| msg(b"{}").with_headers(Headers::new().with("x-id", v.to_owned()));
+        let header = IdStrategy::Header("x-id".into());
+        assert_eq!(header.derive(&with("ok")).unwrap().as_str(), "ok");
+        let nul = header.derive(&with("a\0b")).unwrap_err();
+        assert_eq!(nul.reason(), crate::DeadLetterReason::InvalidId);
+        assert!(nul.to_string().contains("NUL"), "{nul}");
+        let long = header.derive(&with(&"x".repeat(MAX_ID_LEN + 1))).unwrap_err();
+        assert_eq!(long.reason(), crate::DeadLetterReason::InvalidId);
+        assert!(long.to_string().contains("1025 bytes"), "{long}");
+        assert!(
+            header.derive(&with(&"x".repeat(MAX_ID_LEN))).is_ok(),
+            "the limit itself is fine"
+        );
+        assert_eq!(
+            header.derive(&msg(b"{}")).unwrap_err().reason(),
+            crate::DeadLetterReason::MissingId
+        );
+    }
+
+    #[test]
+    fn without_the_payload_only_header_and_offset_strategies_find_an_id() {
+        let m = msg(br#"{"specversion":"1.0","id":"evt-1"}"#)
+            .with_headers(Headers::new().with("x-id", "h-1"))
+            .with_native_id("n-1");
+        let found = |s: IdStrategy| s.derive_from(&m, false).ok().map(|id| id.as_str().to_owned());
+        assert_eq!(found(IdStrategy::Native).as_deref(), Some("n-1"));
+        assert_eq!(found(IdStrategy::Header("x-id".into())).as_deref(), Some("h-1"));
+        assert_eq!(found(IdStrategy::Offset).as_deref(), Some("q/3/42"));
+        assert_eq!(
+            found(IdStrategy::CloudEvents),
+            None,
+            "structured mode needs the payload"
+        );
+        assert_eq!(found(IdStrategy::JsonPointer("/id".into())), None);
+        assert_eq!(found(IdStrategy::PayloadHash), None);
+    }
+
+    /// Pinned: the canonical form, hence every stored `CanonicalJson` fingerprint, must not
+    /// change with serde_json's features. The root crate's dev-dependencies turn on
+    /// `preserve_order`, so this test runs with insertion-ordered maps.
+    #[test]
+    fn canonical_json_does_not_depend_on_serde_json_features() {
+        let v: serde_json::Value =
+            serde_json::from_str(r#"{"b":{"z":1,"a":[1e2,-0.5,18446744073709551615]},"a":"\u00e9"}"#)
+                .unwrap();
+        let mut text = String::new();
+        write_canonical(&v, &mut text);
+        assert_eq!(
+            text,
+            r#"{"a":"é","b":{"a":[100.0,-0.5,18446744073709551615],"z":1}}"#
+        );
+        let m = msg(br#"{ "b" : {"a":[100.0, -0.5, 18446744073709551615], "z":1}, "a":"\u00e9"}"#);
+        assert_eq!(
+            hex(&Fingerprint::CanonicalJson.of(&m)),
+            hex(&Sha256::digest(text.as_bytes())),
+        );
     }
 }

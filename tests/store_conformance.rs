@@ -10,8 +10,19 @@ use txinbox::{
     InboxStore, Message, Origin, Position,
 };
 
+/// A message at a source position of its own: the same ID and payload give the same offset
+/// (a redelivery of one record), anything else another (another record).
 fn message(id: &str, payload: &'static str) -> Message {
-    Message::new(payload, Origin::new("memory", "orders").at(0, 1))
+    let offset = i64::from_le_bytes(
+        txinbox::Fingerprint::PayloadBytes.of(&Message::new(
+            format!("{id}\0{payload}"),
+            Origin::new("memory", "orders"),
+        ))[..8]
+            .try_into()
+            .unwrap(),
+    )
+    .rem_euclid(1 << 40);
+    Message::new(payload, Origin::new("memory", "orders").at(0, offset))
         .with_native_id(id)
         .with_headers(Headers::new().with("k", "v"))
 }
@@ -117,6 +128,7 @@ where
             reason,
             error: "bad",
             attempts: 1,
+            payload_limit: 1 << 20,
         }
     }
     assert_eq!(
@@ -184,14 +196,44 @@ where
         reason: DeadLetterReason::MissingId,
         error: "no id",
         attempts: 0,
+        payload_limit: 1 << 20,
     };
     assert_eq!(
         store.dead_letter(&missing).await.unwrap(),
         DeadLetterOutcome::Recorded
     );
+    // Dead letters are idempotent: the same record read again (a restart, a replay) at the
+    // same source position, and the same conflict again, record nothing new.
+    assert_eq!(
+        store.dead_letter(&missing).await.unwrap(),
+        DeadLetterOutcome::AlreadyDeadLettered,
+        "a message without an ID, read again at its position"
+    );
+    assert_eq!(
+        store
+            .dead_letter(&record(&a_other, DeadLetterReason::Conflict))
+            .await
+            .unwrap(),
+        DeadLetterOutcome::AlreadyDeadLettered,
+        "the same conflict again"
+    );
+    let elsewhere = message("", "x");
+    let elsewhere = Message::new(
+        elsewhere.payload().clone(),
+        Origin::new("memory", "orders").at(1, 7),
+    );
+    let another = DeadLetterRecord {
+        message: &elsewhere,
+        ..missing
+    };
+    assert_eq!(
+        store.dead_letter(&another).await.unwrap(),
+        DeadLetterOutcome::Recorded,
+        "the same payload at another position is another record"
+    );
     assert_eq!(dead_letters("permanent_error").await, 1);
     assert_eq!(dead_letters("conflict").await, 2);
-    assert_eq!(dead_letters("missing_id").await, 1);
+    assert_eq!(dead_letters("missing_id").await, 2);
 
     // The latest dead letter of a message can be read back (to resend it to the broker).
     assert_eq!(
@@ -325,6 +367,7 @@ where
         reason: DeadLetterReason::Permanent,
         error: "bad",
         attempts: 1,
+        payload_limit: 1 << 20,
     };
     assert_eq!(
         store.dead_letter(&record).await.unwrap(),
@@ -453,6 +496,46 @@ where
     tx.rollback().await.unwrap();
 }
 
+/// One subscription per consumer name and source: the first is recorded, seeing it again is
+/// fine, another one is reported and not recorded.
+async fn subscriptions_suite<S: InboxStore>(store: Arc<S>) {
+    let record = |consumer: &'static str, topic: &'static str, group: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .record_subscription(consumer, "kafka", topic, group)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(record("svc", "orders", "svc-group").await, None);
+    assert_eq!(
+        record("svc", "orders", "svc-group").await,
+        None,
+        "the same group again"
+    );
+    assert_eq!(
+        record("svc", "orders", "other-group").await.as_deref(),
+        Some("svc-group"),
+        "a second group under one consumer name is reported"
+    );
+    assert_eq!(
+        record("svc", "orders", "other-group").await.as_deref(),
+        Some("svc-group"),
+        "and was not recorded"
+    );
+    assert_eq!(
+        record("svc", "refunds", "other-group").await,
+        None,
+        "another topic"
+    );
+    assert_eq!(
+        record("other", "orders", "other-group").await,
+        None,
+        "another consumer"
+    );
+}
+
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_conforms() {
@@ -496,6 +579,7 @@ async fn postgres_store_conforms() {
     )
     .await;
     batch_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
+    subscriptions_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
     let read_pool = pool.clone();
     duplicates_suite(Arc::new(txinbox::PostgresInbox::new(pool.clone())), move |id| {
         let pool = read_pool.clone();
@@ -553,6 +637,7 @@ async fn sqlite_store_conforms() {
         }
     })
     .await;
+    subscriptions_suite(Arc::new(store.clone())).await;
     batch_suite(Arc::new(store)).await;
     std::fs::remove_dir_all(dir).unwrap();
 }

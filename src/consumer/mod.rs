@@ -91,6 +91,7 @@ pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     concurrency: usize,
     max_in_flight: usize,
     max_message_bytes: usize,
+    dead_letter_payload_limit: Option<usize>,
     batch_size: usize,
     batch_linger: Duration,
 }
@@ -113,6 +114,7 @@ impl Consumer<(), (), ()> {
             concurrency: DEFAULT_CONCURRENCY,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            dead_letter_payload_limit: None,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_linger: DEFAULT_BATCH_LINGER,
         }
@@ -133,6 +135,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
         }
@@ -151,6 +154,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
         }
@@ -169,6 +173,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             concurrency: self.concurrency,
             max_in_flight: self.max_in_flight,
             max_message_bytes: self.max_message_bytes,
+            dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
         }
@@ -233,9 +238,21 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     }
 
     /// Largest accepted payload plus headers, in bytes. Larger messages are dead-lettered with
-    /// reason `too_large` without running the handler. Default: 1 MiB.
+    /// reason `too_large` without running the handler, and without reading the payload (an ID
+    /// strategy that needs it, such as a JSON pointer, finds no ID). Default: 1 MiB.
     pub fn max_message_bytes(mut self, n: usize) -> Self {
         self.max_message_bytes = n;
+        self
+    }
+
+    /// Most bytes of a dead letter's payload, and of its headers, stored in the database's
+    /// `dead_letters` table; the rest is cut, and the row records the payload's full size and
+    /// SHA-256 and that it was cut (such a dead letter cannot be requeued from the database;
+    /// the original stays in the broker until its retention). Default:
+    /// [`max_message_bytes`](Self::max_message_bytes), so every message the consumer accepts
+    /// is stored whole and only `too_large` ones are cut.
+    pub fn dead_letter_payload_limit(mut self, n: usize) -> Self {
+        self.dead_letter_payload_limit = Some(n);
         self
     }
 }
@@ -295,6 +312,7 @@ where
                 fingerprint: self.fingerprint,
                 retry: self.retry,
                 max_message_bytes: self.max_message_bytes,
+                dead_letter_payload_limit: self.dead_letter_payload_limit.unwrap_or(self.max_message_bytes),
                 batch_size: self.batch_size,
                 batch_limit: AtomicUsize::new(self.batch_size),
                 contended_at: AtomicU64::new(0),
@@ -337,6 +355,7 @@ pub(crate) struct Shared<St, H> {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_message_bytes: usize,
+    pub(crate) dead_letter_payload_limit: usize,
     batch_size: usize,
     /// The batch size in force: `batch_size`, halved by each batch cut by lock contention and
     /// grown back by committed batches (see [`Shared::batch_limit`]).

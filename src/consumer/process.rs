@@ -19,7 +19,7 @@ use tracing::{field, Instrument, Span};
 use super::{store_backoff, Shared};
 use crate::error::Error;
 use crate::handler::{BatchContext, BatchMessage, Context, Handler, HandlerError};
-use crate::message::MessageId;
+use crate::message::{Fingerprint, MessageId};
 use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode, SettleError, Settlement};
 use crate::store::{
     clean_text, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
@@ -102,14 +102,15 @@ impl<D: Delivery> Item<D> {
     fn new<St, H>(shared: &Shared<St, H>, delivery: D) -> Self {
         let msg = delivery.message();
         let span = span_for(shared, msg);
-        let size = msg.payload().len() + msg.headers().byte_len();
-        let key = match shared.id_strategy.derive(msg) {
-            Ok(id) if id.problem().is_none() && size <= shared.max_message_bytes => {
+        // NOTE: the size first, so nothing of an oversized message is parsed or copied.
+        let key = if message_size(msg) > shared.max_message_bytes {
+            None
+        } else {
+            shared.id_strategy.derive(msg).ok().map(|id| {
                 span.record("messaging.message.id", id.as_str());
                 let fingerprint = shared.fingerprint.of(msg);
-                Some((id, fingerprint))
-            }
-            _ => None,
+                (id, fingerprint)
+            })
         };
         Item {
             delivery,
@@ -407,24 +408,32 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         };
         return claim_and_run(shared, delivery, &id, entry, position.as_ref()).await;
     }
+    let size = message_size(msg);
+    if size > shared.max_message_bytes {
+        // Nothing beyond the headers is read: the ID only where the strategy finds it there,
+        // the fingerprint of the bytes (a canonical form would parse the payload).
+        let id = shared.id_strategy.derive_from(msg, false).ok();
+        if let Some(id) = &id {
+            Span::current().record("messaging.message.id", id.as_str());
+        }
+        let fingerprint = Fingerprint::PayloadBytes.of(msg);
+        let entry = id.as_ref().map(|id| Entry {
+            consumer: &shared.name,
+            id,
+            fingerprint: &fingerprint,
+            origin: msg.origin(),
+        });
+        let error = format!(
+            "message is {size} bytes (payload and headers); the limit is {} (Consumer::max_message_bytes)",
+            shared.max_message_bytes
+        );
+        return dead_letter(shared, delivery, entry, DeadLetterReason::TooLarge, &error, 0).await;
+    }
     let id = match shared.id_strategy.derive(msg) {
         Ok(id) => id,
-        Err(missing) => {
-            return dead_letter(
-                shared,
-                delivery,
-                None,
-                DeadLetterReason::MissingId,
-                &missing.to_string(),
-                0,
-            )
-            .await;
-        }
+        Err(e) => return dead_letter(shared, delivery, None, e.reason(), &e.to_string(), 0).await,
     };
     Span::current().record("messaging.message.id", id.as_str());
-    if let Some(problem) = id.problem() {
-        return dead_letter(shared, delivery, None, DeadLetterReason::InvalidId, &problem, 0).await;
-    }
     let fingerprint = shared.fingerprint.of(msg);
     let entry = Entry {
         consumer: &shared.name,
@@ -432,24 +441,12 @@ async fn decide<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         fingerprint: &fingerprint,
         origin: msg.origin(),
     };
-    let size = msg.payload().len() + msg.headers().byte_len();
-    if size > shared.max_message_bytes {
-        let error = format!(
-            "message is {size} bytes (payload and headers); the limit is {} (Consumer::max_message_bytes)",
-            shared.max_message_bytes
-        );
-        return dead_letter(
-            shared,
-            delivery,
-            Some(entry),
-            DeadLetterReason::TooLarge,
-            &error,
-            0,
-        )
-        .await;
-    }
-
     claim_and_run(shared, delivery, &id, entry, position.as_ref()).await
+}
+
+/// Payload plus headers, in bytes: what [`ConsumerBuilder::max_message_bytes`](super::ConsumerBuilder::max_message_bytes) limits.
+fn message_size(msg: &crate::message::Message) -> usize {
+    msg.payload().len() + msg.headers().byte_len()
 }
 
 /// Claims and runs a message with a usable ID through its transaction until a verdict: backs
@@ -675,6 +672,7 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         reason,
         error,
         attempts,
+        payload_limit: shared.dead_letter_payload_limit,
     };
     let dead = |reason| {
         Some(Verdict::DeadLetter(DeadLetter {

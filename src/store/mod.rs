@@ -125,13 +125,21 @@ pub trait InboxStore: Send + Sync + 'static {
     /// consumer processed or dead-lettered it).
     async fn record_failure(&self, entry: &Entry<'_>, error: &str) -> Result<Option<u32>, StoreError>;
 
-    /// Records a dead letter in its own transaction: the original message, reason and error;
-    /// marks the inbox row `dead_lettered` when the message has a usable ID and is not a
-    /// conflict. If the key turns out to be taken meanwhile, records accordingly: see
-    /// [`DeadLetterOutcome`]. It does not move the source position: the broker has not yet
-    /// confirmed its own dead-letter copy, and a restart must see the message again (as a
-    /// duplicate of a dead letter, which is sent to the broker's dead-letter destination
-    /// again).
+    /// Records a dead letter in its own transaction: the original message (payload and headers
+    /// cut to [`DeadLetterRecord::payload_limit`], with the payload's size and SHA-256), reason
+    /// and error; marks the inbox row `dead_lettered` when the message has a usable ID and is
+    /// not a conflict. If the key turns out to be taken meanwhile, records accordingly: see
+    /// [`DeadLetterOutcome`].
+    ///
+    /// Idempotent: while a dead letter is pending (neither requeued nor discarded), a second
+    /// one for the same consumer and source position (destination, partition, offset), or a
+    /// second conflict of the same consumer, ID and fingerprint, records nothing and reports
+    /// [`DeadLetterOutcome::AlreadyDeadLettered`].
+    ///
+    /// It does not move the source position: the broker has not yet confirmed its own
+    /// dead-letter copy, and a restart must see the message again (as a duplicate of a dead
+    /// letter, which is sent to the broker's dead-letter destination again). The runtime moves
+    /// the position once the broker confirmed the copy.
     async fn dead_letter(&self, record: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError>;
 
     /// The reason and error of the latest dead letter recorded for this message, if any.
@@ -145,6 +153,28 @@ pub trait InboxStore: Send + Sync + 'static {
     /// as text → next offset). An adapter reads them when it is assigned lanes, so consumption
     /// resumes exactly where the database's state ends, also after a database restore.
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError>;
+
+    /// Records that `consumer` reads `source` (a Kafka topic) of `system` (`kafka`) through
+    /// `subscription` (the Kafka consumer group), so operators' tools know the group without
+    /// being told, and so one consumer name is never shared by two subscriptions. A source
+    /// calls it when it is assigned lanes.
+    ///
+    /// Returns the subscription already recorded when it is a **different** one, and records
+    /// nothing then: two groups under one consumer name share one inbox and one set of
+    /// positions, so each would skip the other's messages as duplicates; the source refuses
+    /// to go on. `txinbox positions rebind` records a new group on purpose.
+    ///
+    /// The default records nothing (a store without the table).
+    async fn record_subscription(
+        &self,
+        consumer: &str,
+        system: &str,
+        source: &str,
+        subscription: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let _ = (consumer, system, source, subscription);
+        Ok(None)
+    }
 
     /// The pool's connection limit, so the consumer can refuse a concurrency the pool cannot
     /// serve. `None` if unknown.
@@ -291,6 +321,39 @@ pub struct DeadLetterRecord<'a> {
     pub error: &'a str,
     /// Attempts made (0 when the handler never ran).
     pub attempts: u32,
+    /// Most bytes of the payload stored, and most bytes of headers (names and values); the
+    /// rest is cut and the row says so, with the payload's full size and SHA-256. The runtime
+    /// passes [`ConsumerBuilder::dead_letter_payload_limit`](crate::ConsumerBuilder::dead_letter_payload_limit).
+    pub payload_limit: usize,
+}
+
+impl DeadLetterRecord<'_> {
+    /// What of the message is stored: payload and headers cut to
+    /// [`payload_limit`](Self::payload_limit), the payload's full size and SHA-256.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+    pub(crate) fn stored(&self) -> StoredMessage<'_> {
+        use sha2::{Digest, Sha256};
+        let payload = &self.message.payload()[..];
+        let kept = &payload[..payload.len().min(self.payload_limit)];
+        let (headers, headers_cut) = headers_json_within(self.message.headers(), self.payload_limit);
+        StoredMessage {
+            payload: kept,
+            headers,
+            size: payload.len() as i64,
+            sha256: Sha256::digest(payload).into(),
+            truncated: kept.len() < payload.len() || headers_cut,
+        }
+    }
+}
+
+/// The part of a dead-lettered message a store writes; see [`DeadLetterRecord::stored`].
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) struct StoredMessage<'a> {
+    pub(crate) payload: &'a [u8],
+    pub(crate) headers: serde_json::Value,
+    pub(crate) size: i64,
+    pub(crate) sha256: [u8; 32],
+    pub(crate) truncated: bool,
 }
 
 /// The outcome of [`InboxStore::dead_letter`].
@@ -301,9 +364,11 @@ pub enum DeadLetterOutcome {
     /// The key was meanwhile taken by another payload (another delivery with the same ID
     /// committed first): recorded as a `conflict` instead.
     RecordedAsConflict,
-    /// This very message (same ID and fingerprint) is already dead-lettered, e.g. because an
-    /// earlier COMMIT whose outcome looked unknown had in fact succeeded. Nothing new is
-    /// recorded; the broker is still told to dead-letter it.
+    /// This very message is already dead-lettered: the same ID and fingerprint (e.g. an
+    /// earlier COMMIT whose outcome looked unknown had in fact succeeded), or a pending dead
+    /// letter at the same source position (a restart or replay read the record again), or a
+    /// pending conflict of the same ID and fingerprint. Nothing new is recorded; the broker is
+    /// still told to dead-letter it.
     AlreadyDeadLettered,
     /// Another consumer instance processed this message meanwhile: nothing recorded, the
     /// delivery is a duplicate.
@@ -425,6 +490,25 @@ pub(crate) fn clean_text(s: &str) -> String {
         end -= 1;
     }
     s[..end].replace('\0', "")
+}
+
+/// [`headers_json`] of the headers, in order, while their names and values add up to at most
+/// `limit` bytes; `true` if some were left out.
+fn headers_json_within(headers: &Headers, limit: usize) -> (serde_json::Value, bool) {
+    if headers.byte_len() <= limit {
+        return (headers_json(headers), false);
+    }
+    let mut budget = limit;
+    let mut kept = Headers::new();
+    for (name, value) in headers.iter() {
+        let size = name.len() + value.len();
+        if size > budget {
+            break;
+        }
+        budget -= size;
+        kept.insert(name, value.to_vec());
+    }
+    (headers_json(&kept), true)
 }
 
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]

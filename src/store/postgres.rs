@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
-use super::{headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
+use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::source::{DeadLetterReason, Position};
 use std::collections::{HashMap, HashSet};
 
@@ -130,17 +130,32 @@ ON CONFLICT (consumer, message_id) DO UPDATE
         last_error = EXCLUDED.last_error, processed_at = now()
     WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint";
 
+/// Does nothing when a pending dead letter of the same source position, or the same pending
+/// conflict, is recorded already (the partial unique indexes `dead_letters_position_key` and
+/// `dead_letters_conflict_key`); then no row comes back.
 const INSERT_DEAD_LETTER: &str = "\
 INSERT INTO txinbox.dead_letters
     (consumer, message_id, id_strategy, fingerprint, reason, error, attempts, payload, headers,
-     source_system, destination, source_partition, source_offset)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
+     source_system, destination, source_partition, source_offset, payload_size, payload_sha256,
+     truncated)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+ON CONFLICT DO NOTHING
+RETURNING id";
 
 /// `$2`: the duplicates' IDs, repeats included. The rows are already locked by the claim.
 const RECORD_DUPLICATES: &str = "\
 UPDATE txinbox.inbox AS i SET duplicates = i.duplicates + d.n
 FROM (SELECT id, count(*) AS n FROM UNNEST($2::text[]) AS id GROUP BY id) AS d
 WHERE i.consumer = $1 AND i.message_id = d.id";
+
+/// Records (`$1` consumer, `$2` system, `$3` source, `$4` subscription) unless another
+/// subscription is recorded for the source: then no row comes back.
+const RECORD_SUBSCRIPTION: &str = "\
+INSERT INTO txinbox.subscriptions AS s (consumer, source_system, source, subscription)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (consumer, source_system, source) DO UPDATE SET last_seen_at = now()
+    WHERE s.subscription = EXCLUDED.subscription
+RETURNING 1";
 
 /// Stores a lane's next position (`$1` consumer, `$2` source, `$3` lane, `$4` next); also
 /// what `ops::replay` writes.
@@ -363,9 +378,9 @@ impl InboxStore for PostgresInbox {
                 }
             }
         }
-        let m = r.message;
-        let o = m.origin();
-        sqlx::query(INSERT_DEAD_LETTER)
+        let o = r.message.origin();
+        let stored = r.stored();
+        let inserted: Option<i64> = sqlx::query_scalar(INSERT_DEAD_LETTER)
             .bind(r.consumer)
             .bind(r.entry.as_ref().map(|e| e.id.as_str()))
             .bind(r.entry.as_ref().map(|e| e.id.strategy()))
@@ -373,17 +388,23 @@ impl InboxStore for PostgresInbox {
             .bind(reason.as_str())
             .bind(&error)
             .bind(r.attempts as i32)
-            .bind(&m.payload()[..])
-            .bind(headers_json(m.headers()))
+            .bind(stored.payload)
+            .bind(stored.headers)
             .bind(o.system)
             .bind(&*o.destination)
             .bind(o.partition)
             .bind(o.offset)
-            .execute(&mut *tx)
+            .bind(stored.size)
+            .bind(&stored.sha256[..])
+            .bind(stored.truncated)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(classify)?;
         tx.commit().await.map_err(classify)?;
-        Ok(outcome)
+        Ok(match inserted {
+            Some(_) => outcome,
+            None => DeadLetterOutcome::AlreadyDeadLettered,
+        })
     }
 
     async fn dead_letter_of(
@@ -408,6 +429,35 @@ impl InboxStore for PostgresInbox {
         .bind(consumer)
         .bind(source)
         .fetch_all(&self.pool)
+        .await
+        .map_err(classify)
+    }
+
+    async fn record_subscription(
+        &self,
+        consumer: &str,
+        system: &str,
+        source: &str,
+        subscription: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let recorded: Option<i32> = sqlx::query_scalar(RECORD_SUBSCRIPTION)
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .bind(subscription)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        if recorded.is_some() {
+            return Ok(None);
+        }
+        sqlx::query_scalar(
+            "SELECT subscription FROM txinbox.subscriptions WHERE consumer = $1 AND source_system = $2 AND source = $3",
+        )
+        .bind(consumer)
+        .bind(system)
+        .bind(source)
+        .fetch_optional(&self.pool)
         .await
         .map_err(classify)
     }

@@ -16,7 +16,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Sqlite, Transaction};
 
-use super::{headers_json, Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
+use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::source::{DeadLetterReason, Position};
 
 /// The embedded SQLite migrations, with their ledger in `txinbox_sqlx_migrations`.
@@ -105,11 +105,15 @@ ON CONFLICT (consumer, message_id) DO UPDATE
         last_error = excluded.last_error, processed_at = excluded.processed_at
     WHERE txinbox_inbox.status = 'retrying' AND txinbox_inbox.fingerprint = excluded.fingerprint";
 
+/// See the PostgreSQL store's statement of the same name.
 const INSERT_DEAD_LETTER: &str = "\
 INSERT INTO txinbox_dead_letters
     (consumer, message_id, id_strategy, fingerprint, reason, error, attempts, payload, headers,
-     source_system, destination, source_partition, source_offset)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)";
+     source_system, destination, source_partition, source_offset, payload_size, payload_sha256,
+     truncated)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)
+ON CONFLICT DO NOTHING
+RETURNING id";
 
 /// `?2`: the duplicates' IDs as a JSON array, repeats included.
 const RECORD_DUPLICATES: &str = "\
@@ -123,6 +127,15 @@ VALUES (?1, ?2, ?3, ?4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = excluded.next_position,
         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+/// See the PostgreSQL store's statement of the same name.
+const RECORD_SUBSCRIPTION: &str = "\
+INSERT INTO txinbox_subscriptions (consumer, source_system, source, subscription)
+VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (consumer, source_system, source) DO UPDATE
+    SET last_seen_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    WHERE txinbox_subscriptions.subscription = excluded.subscription
+RETURNING 1";
 
 macro_rules! bind_entry {
     ($q:expr, $e:expr) => {{
@@ -268,9 +281,9 @@ impl InboxStore for SqliteInbox {
                 }
             }
         }
-        let m = r.message;
-        let o = m.origin();
-        sqlx::query(INSERT_DEAD_LETTER)
+        let o = r.message.origin();
+        let stored = r.stored();
+        let inserted: Option<i64> = sqlx::query_scalar(INSERT_DEAD_LETTER)
             .bind(r.consumer)
             .bind(r.entry.as_ref().map(|e| e.id.as_str()))
             .bind(r.entry.as_ref().map(|e| e.id.strategy()))
@@ -278,17 +291,23 @@ impl InboxStore for SqliteInbox {
             .bind(reason.as_str())
             .bind(&error)
             .bind(r.attempts as i64)
-            .bind(&m.payload()[..])
-            .bind(headers_json(m.headers()).to_string())
+            .bind(stored.payload)
+            .bind(stored.headers.to_string())
             .bind(o.system)
             .bind(&*o.destination)
             .bind(o.partition)
             .bind(o.offset)
-            .execute(&mut *tx)
+            .bind(stored.size)
+            .bind(&stored.sha256[..])
+            .bind(stored.truncated)
+            .fetch_optional(&mut *tx)
             .await
             .map_err(classify)?;
         self.commit(tx).await?;
-        Ok(outcome)
+        Ok(match inserted {
+            Some(_) => outcome,
+            None => DeadLetterOutcome::AlreadyDeadLettered,
+        })
     }
 
     async fn dead_letter_of(
@@ -313,6 +332,35 @@ impl InboxStore for SqliteInbox {
         .bind(consumer)
         .bind(source)
         .fetch_all(&self.pool)
+        .await
+        .map_err(classify)
+    }
+
+    async fn record_subscription(
+        &self,
+        consumer: &str,
+        system: &str,
+        source: &str,
+        subscription: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let recorded: Option<i64> = sqlx::query_scalar(RECORD_SUBSCRIPTION)
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .bind(subscription)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(classify)?;
+        if recorded.is_some() {
+            return Ok(None);
+        }
+        sqlx::query_scalar(
+            "SELECT subscription FROM txinbox_subscriptions WHERE consumer = ?1 AND source_system = ?2 AND source = ?3",
+        )
+        .bind(consumer)
+        .bind(system)
+        .bind(source)
+        .fetch_optional(&self.pool)
         .await
         .map_err(classify)
     }
