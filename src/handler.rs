@@ -207,15 +207,23 @@ impl HandlerError {
         self.reason
     }
 
-    /// Whether the error is a database lock conflict rather than the message's fault:
-    /// a deadlock, a serialization failure or a lock timeout (PostgreSQL 40P01, 40001, 55P03).
+    /// Whether the error is a database lock conflict rather than the message's fault (see
+    /// [`StoreError::is_contention`](crate::StoreError::is_contention)): the error, or one of
+    /// its causes, is a `sqlx::Error` that lost a lock conflict, or such a `StoreError`. A
+    /// handler that propagates its database errors with `?` gets this for free; one that
+    /// wraps them must keep them as the error's `source()`.
     pub(crate) fn is_contention(&self) -> bool {
-        match self.source.downcast_ref::<sqlx::Error>() {
-            Some(sqlx::Error::Database(db)) => {
-                matches!(db.code().as_deref(), Some("40P01" | "40001" | "55P03"))
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*self.source);
+        while let Some(e) = cause {
+            if let Some(e) = e.downcast_ref::<sqlx::Error>() {
+                return crate::store::is_lock_conflict(e);
             }
-            _ => false,
+            if let Some(e) = e.downcast_ref::<crate::StoreError>() {
+                return e.is_contention();
+            }
+            cause = e.source();
         }
+        false
     }
 }
 

@@ -7,6 +7,7 @@
 //! | `txinbox_duplicates_total` | counter | ID already in the inbox with the same fingerprint: acked, handler not run |
 //! | `txinbox_conflicts_total` | counter | ID already in the inbox with another fingerprint: dead-lettered |
 //! | `txinbox_retries_total` | counter | transient failure, attempt counted, retry scheduled |
+//! | `txinbox_contention_retries_total` | counter | a transaction lost a lock conflict (deadlock, serialization failure, lock timeout) and is re-run without counting an attempt |
 //! | `txinbox_dead_letters_total` | counter | dead-letter settlements; label `reason` (a redelivered dead letter, sent to the broker again, counts again) |
 //! | `txinbox_ack_failures_total` | counter | the settlement after a finished transaction did not reach the broker (redelivery will be a duplicate) |
 //! | `txinbox_store_errors_total` | counter | the inbox database was unavailable; intake pauses |
@@ -37,6 +38,8 @@ pub const DUPLICATES: &str = "txinbox_duplicates_total";
 pub const CONFLICTS: &str = "txinbox_conflicts_total";
 /// Counter: retries scheduled after a transient failure.
 pub const RETRIES: &str = "txinbox_retries_total";
+/// Counter: transactions re-run after losing a lock conflict, no attempt counted.
+pub const CONTENTION_RETRIES: &str = "txinbox_contention_retries_total";
 /// Counter: dead letters, by `reason`.
 pub const DEAD_LETTERS: &str = "txinbox_dead_letters_total";
 /// Counter: settlements after commit that did not reach the broker.
@@ -68,6 +71,7 @@ pub(crate) struct Metrics {
     pub(crate) duplicates: Counter,
     pub(crate) conflicts: Counter,
     pub(crate) retries: Counter,
+    pub(crate) contention_retries: Counter,
     pub(crate) ack_failures: Counter,
     pub(crate) store_errors: Counter,
     pub(crate) handler_duration: Histogram,
@@ -85,6 +89,7 @@ impl Metrics {
             duplicates: metrics::counter!(DUPLICATES, &label()),
             conflicts: metrics::counter!(CONFLICTS, &label()),
             retries: metrics::counter!(RETRIES, &label()),
+            contention_retries: metrics::counter!(CONTENTION_RETRIES, &label()),
             ack_failures: metrics::counter!(ACK_FAILURES, &label()),
             store_errors: metrics::counter!(STORE_ERRORS, &label()),
             handler_duration: metrics::histogram!(HANDLER_DURATION, &label()),
@@ -115,6 +120,10 @@ fn describe() {
         "Deliveries whose ID was seen with a different payload fingerprint"
     );
     describe_counter!(RETRIES, "Transient failures scheduled for another attempt");
+    describe_counter!(
+        CONTENTION_RETRIES,
+        "Transactions re-run after losing a lock conflict, without counting an attempt"
+    );
     describe_counter!(DEAD_LETTERS, "Messages dead-lettered, by reason");
     describe_counter!(
         ACK_FAILURES,

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use tracing::{field, Instrument, Span};
 
-use super::{store_backoff, Shared};
+use super::{contention_backoff, store_backoff, Shared};
 use crate::error::Error;
 use crate::handler::{BatchContext, BatchMessage, Context, Handler, HandlerError};
 use crate::message::{Fingerprint, MessageId};
@@ -459,6 +459,7 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     position: Option<&Position>,
 ) -> Option<Verdict> {
     let mut store_failures = 0;
+    let mut conflicts = 0;
     loop {
         // The concurrency permit bounds open transactions, so it is held for one trip only,
         // never through a backoff sleep: a lane waiting to retry does not block other lanes.
@@ -511,6 +512,23 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                     0,
                 )
                 .await;
+            }
+            Attempt::Failed { error, .. } if error.is_contention() => {
+                // A lock conflict is not the message's fault: re-run it without counting an
+                // attempt (a hot row must not push good messages into the dead letters), after
+                // a growing backoff so the transactions that collided drift apart.
+                conflicts += 1;
+                shared.metrics.contention_retries.increment(1);
+                shared.batch_contended(true);
+                let delay = contention_backoff(conflicts);
+                if conflicts % 20 == 0 {
+                    tracing::warn!(conflicts, %error, "still losing lock conflicts; re-running without counting an attempt");
+                } else {
+                    tracing::debug!(conflicts, %error, ?delay, "lost a lock conflict; re-running without counting an attempt");
+                }
+                if !shared.sleep(delay).await {
+                    return None;
+                }
             }
             Attempt::Failed { attempt, error } => {
                 Span::current().record("txinbox.attempt", attempt);
@@ -619,7 +637,7 @@ async fn finish<St: InboxStore, H>(
     position: Option<&Position>,
 ) -> Result<(), HandlerError> {
     let store = &shared.store;
-    let failed = |what: &str, e: StoreError| HandlerError::transient(format!("{what}: {e}"));
+    let failed = |stage: &'static str, error: StoreError| HandlerError::transient(Finishing { stage, error });
     // NOTE: without this check, a handler that ignored a failed statement would make
     // PostgreSQL roll back at COMMIT without reporting an error, and the message would be
     // acked with nothing committed.
@@ -654,6 +672,27 @@ async fn finish<St: InboxStore, H>(
         .commit_duration
         .record(started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// A store failure while finishing a message's transaction (the check before COMMIT, the
+/// position, COMMIT itself), kept as the error's source so a lock conflict is recognised as
+/// one ([`HandlerError::is_contention`]).
+#[derive(Debug)]
+struct Finishing {
+    stage: &'static str,
+    error: StoreError,
+}
+
+impl std::fmt::Display for Finishing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.stage, self.error)
+    }
+}
+
+impl std::error::Error for Finishing {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
 }
 
 /// Records a dead letter (retrying while the database is unavailable) and returns the verdict.
@@ -763,6 +802,11 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         }
     };
     Span::current().record("txinbox.outcome", outcome);
+    // A dead letter's position moves only once the broker has its copy (see below).
+    let dead_letter_position = match settlement {
+        Settlement::DeadLetter(_) => delivery.position(),
+        _ => None,
+    };
     // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
     // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
     // contract allows: the broker redelivers and the inbox deduplicates.
@@ -781,8 +825,28 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         // broker connection is flapping).
         metrics.ack_failures.increment(1);
         tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
-    } else {
-        tracing::debug!(outcome, "settled");
+        return;
+    }
+    tracing::debug!(outcome, "settled");
+    if let Some(position) = dead_letter_position {
+        // The dead letter was recorded without moving the position (a crash before the broker
+        // confirmed its copy must show the record again). Now the broker has the copy: move the
+        // position past it, so a restart does not read a run of dead letters again. Still
+        // before the lane's next message, so positions keep their order. A crash between the
+        // broker's confirmation and this commit reads the record once more: its dead letter is
+        // recorded already (nothing new is written) and the copy is sent again.
+        let saved = with_store(shared, || async {
+            let mut tx = shared.store.begin().await?;
+            shared
+                .store
+                .save_position(&mut *tx, &shared.name, &position)
+                .await?;
+            shared.store.commit(tx).await
+        })
+        .await;
+        if saved.is_none() {
+            tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
+        }
     }
 }
 

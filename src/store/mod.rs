@@ -386,7 +386,35 @@ pub struct StoreError {
 enum StoreErrorKind {
     Unavailable,
     Contention,
+    Busy,
     Fatal,
+}
+
+/// Whether a database error is a lock conflict with another transaction: a deadlock, a
+/// serialization failure or a lock timeout on PostgreSQL (`40P01`, `40001`, `55P03`),
+/// `SQLITE_BUSY` or `SQLITE_LOCKED` on SQLite. The one classification of contention: the
+/// stores use it for their own statements, [`HandlerError`](crate::HandlerError) for a
+/// handler's, and the runtime re-runs such a transaction without counting an attempt.
+///
+/// Not contention: a statement timeout or a session ended for idling in a transaction. Those
+/// may be the message's own doing (a slow query, a handler waiting on a remote call), so they
+/// count as attempts and end in a dead letter rather than a loop.
+pub(crate) fn is_lock_conflict(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    #[cfg(feature = "postgres")]
+    if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        return matches!(pg.code(), "40P01" | "40001" | "55P03");
+    }
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        // Extended result codes keep the primary code in the low byte.
+        let primary = db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff);
+        return matches!(primary, Some(5 | 6));
+    }
+    let _ = db;
+    false
 }
 
 impl StoreError {
@@ -399,12 +427,23 @@ impl StoreError {
         }
     }
 
-    /// The database is fine but this transaction lost a race: serialization failure, deadlock,
-    /// lock or statement timeout, SQLite busy. The message is retried with backoff; intake goes
-    /// on.
+    /// The database is fine but this transaction lost a lock conflict with another one:
+    /// serialization failure, deadlock, lock timeout, SQLite busy. The work is re-run with
+    /// backoff, without counting an attempt; intake goes on.
     pub fn contention(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Contention,
+            source: source.into(),
+        }
+    }
+
+    /// The database is up but could not serve this in time: a statement timeout, a session
+    /// ended for idling in a transaction, a pool whose every connection is busy. Retried with
+    /// backoff; intake goes on, and it is not reported as an outage. When it happens inside a
+    /// message's transaction it counts as an attempt (it may be the message's own doing).
+    pub fn busy(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        StoreError {
+            kind: StoreErrorKind::Busy,
             source: source.into(),
         }
     }
@@ -428,8 +467,9 @@ impl StoreError {
         self.kind == StoreErrorKind::Unavailable
     }
 
-    /// Whether the statement lost a conflict with another transaction (deadlock, serialization
-    /// failure, lock or statement timeout): retry the work, the database is fine.
+    /// Whether the statement lost a lock conflict with another transaction (deadlock,
+    /// serialization failure, lock timeout): re-run the work, the database is fine, and the
+    /// message is not to blame.
     pub fn is_contention(&self) -> bool {
         self.kind == StoreErrorKind::Contention
     }
@@ -442,7 +482,14 @@ impl fmt::Display for StoreError {
                 write!(f, "inbox database unavailable (will retry): {}", self.source)
             }
             StoreErrorKind::Contention => {
-                write!(f, "inbox transaction contention (will retry): {}", self.source)
+                write!(
+                    f,
+                    "inbox transaction lost a lock conflict (will retry): {}",
+                    self.source
+                )
+            }
+            StoreErrorKind::Busy => {
+                write!(f, "inbox database busy (will retry): {}", self.source)
             }
             StoreErrorKind::Fatal => write!(f, "inbox database error: {}", self.source),
         }

@@ -467,9 +467,12 @@ impl InboxStore for PostgresInbox {
     }
 }
 
-/// Sorts sqlx errors into unavailable (pause intake, retry), contention (retry the message)
-/// and fatal (stop and report).
+/// Sorts sqlx errors into unavailable (pause intake, retry), contention (a lock conflict:
+/// re-run, no attempt counted), busy (retry, not an outage) and fatal (stop and report).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    if super::is_lock_conflict(&e) {
+        return StoreError::contention(e);
+    }
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -483,12 +486,9 @@ pub(crate) fn classify(e: sqlx::Error) -> StoreError {
                 || code == "53300" // too_many_connections
                 => StoreError::transient(e),
             Some(
-                "40001" // serialization_failure
-                | "40P01" // deadlock_detected
-                | "55P03" // lock_not_available (lock_timeout)
-                | "57014" // query_canceled (statement_timeout)
+                "57014" // query_canceled (statement_timeout)
                 | "25P03", // idle_in_transaction_session_timeout
-            ) => StoreError::contention(e),
+            ) => StoreError::busy(e),
             _ => StoreError::fatal(e),
         },
         _ => StoreError::fatal(e),

@@ -374,13 +374,15 @@ impl InboxStore for SqliteInbox {
 /// retry once space is freed). Contention: `SQLITE_BUSY`/`SQLITE_LOCKED` (another writer held
 /// the lock past the busy timeout). Everything else (missing table, constraint) is fatal.
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    if super::is_lock_conflict(&e) {
+        return StoreError::contention(e);
+    }
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => StoreError::transient(e),
         sqlx::Error::Database(db) => match db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff) {
-            Some(5 | 6) => StoreError::contention(e),
             Some(10 | 13) => StoreError::transient(e),
             _ => StoreError::fatal(e),
         },

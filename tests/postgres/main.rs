@@ -2,6 +2,8 @@
 //! migrations and metrics. Needs `DATABASE_URL` (a role that may create databases);
 //! `scripts/test` provides it.
 
+mod contention;
+mod positions;
 mod support;
 
 use std::collections::HashMap;
@@ -878,130 +880,6 @@ mod spans {
         assert!(spans
             .iter()
             .any(|s| s.get("txinbox.attempt").map(String::as_str) == Some("1")));
-    }
-}
-
-mod positions {
-    use txinbox::{Capabilities, Delivery, InboxStore, Lane, Message, MessageSource, Origin, Position};
-    use txinbox::{RetryMode, SettleError, Settlement, SourceError};
-
-    use super::*;
-
-    /// A source whose deliveries carry Kafka-like positions: one lane per partition.
-    struct Positioned(std::vec::IntoIter<(i32, i64, &'static str)>);
-    struct PositionedDelivery(Message);
-
-    #[txinbox::async_trait]
-    impl MessageSource for Positioned {
-        type Delivery = PositionedDelivery;
-        async fn receive(&mut self) -> Result<Option<PositionedDelivery>, SourceError> {
-            Ok(self.0.next().map(|(p, off, payload)| {
-                let origin = Origin::new("memory", "orders").at(p, off);
-                PositionedDelivery(Message::new(payload, origin))
-            }))
-        }
-        fn capabilities(&self) -> Capabilities {
-            Capabilities {
-                system: "memory",
-                retry: RetryMode::InPlace,
-                default_id_strategy: IdStrategy::Offset,
-            }
-        }
-        async fn close(self) -> Result<(), SourceError> {
-            Ok(())
-        }
-    }
-
-    #[txinbox::async_trait]
-    impl Delivery for PositionedDelivery {
-        fn message(&self) -> &Message {
-            &self.0
-        }
-        fn lane(&self) -> Lane {
-            Lane::Ordered(self.0.origin().partition.unwrap().to_string().into())
-        }
-        fn position(&self) -> Option<Position> {
-            let o = self.0.origin();
-            Some(Position {
-                source: o.destination.clone(),
-                lane: o.partition.unwrap().to_string().into(),
-                next: o.offset.unwrap() + 1,
-            })
-        }
-        async fn settle(self, _: Settlement) -> Result<(), SettleError> {
-            Ok(())
-        }
-    }
-
-    #[tokio::test]
-    async fn positions_are_stored_with_effects_and_duplicates_not_dead_letters() {
-        let db = TestDb::new(10).await;
-        let source = Positioned(
-            vec![
-                (0, 0, r#"{"account":"a","amount":1,"lane":"0","idx":0}"#),
-                (0, 1, "not json"), // dead-lettered: only the next processed message moves past it
-                (1, 7, r#"{"account":"a","amount":1,"lane":"1","idx":7}"#),
-            ]
-            .into_iter(),
-        );
-        Consumer::builder("positions")
-            .source(source)
-            .inbox(db.inbox())
-            .handler(DepositHandler::default())
-            .build()
-            .unwrap()
-            .run()
-            .await
-            .unwrap();
-        let mut got = db.inbox().load_positions("positions", "orders").await.unwrap();
-        got.sort();
-        // Partition 0 ends on a dead letter: its position stays before it, so a restart sees it
-        // again and resends it to the broker's dead-letter destination.
-        assert_eq!(got, [("0".to_string(), 1), ("1".to_string(), 8)]);
-        assert!(db
-            .inbox()
-            .load_positions("positions", "other")
-            .await
-            .unwrap()
-            .is_empty());
-    }
-
-    #[tokio::test]
-    async fn a_batch_cut_by_a_dead_letter_stores_the_position_after_its_last_committed_message() {
-        let db = TestDb::new(10).await;
-        let ok = |i| -> &'static str {
-            Box::leak(format!(r#"{{"account":"a","amount":1,"lane":"0","idx":{i}}}"#).into_boxed_str())
-        };
-        // One batch of six: offset 2 is cut out and dead-lettered, so is the last one (5).
-        let source = Positioned(
-            vec![
-                (0, 0, ok(0)),
-                (0, 1, ok(1)),
-                (0, 2, "not json"),
-                (0, 3, ok(3)),
-                (0, 4, ok(4)),
-                (0, 5, "not json"),
-            ]
-            .into_iter(),
-        );
-        Consumer::builder("batch-positions")
-            .source(source)
-            .inbox(db.inbox())
-            .handler(DepositHandler::default())
-            .batch_linger(Duration::from_millis(300))
-            .build()
-            .unwrap()
-            .run()
-            .await
-            .unwrap();
-        let got = db
-            .inbox()
-            .load_positions("batch-positions", "orders")
-            .await
-            .unwrap();
-        // After 3 and 4 (a batch re-run after the cut), not past the dead letter at 5.
-        assert_eq!(got, [("0".to_string(), 5)]);
-        assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 4);
     }
 }
 
