@@ -95,20 +95,22 @@ impl<DB: sqlx::Database> Context<'_, DB> {
         self.attempt
     }
 
-    /// A downstream message ID derived from this message's ID and `step`
+    /// A downstream message ID derived from the consumer's name, this message's ID and `step`
     /// ([`outbox::derive_id`](crate::outbox::derive_id)): the same on every attempt, so a
-    /// retried handler writes the same outbox rows.
+    /// retried handler writes the same outbox rows, and different for another consumer
+    /// handling the same message.
     #[cfg(feature = "postgres")]
     pub fn derive_id(&self, step: &str) -> String {
-        crate::outbox::derive_id(self.id.as_str(), step)
+        crate::outbox::derive_id(self.consumer, self.id.as_str(), step)
     }
 }
 
 #[cfg(feature = "postgres")]
 impl Context<'_, sqlx::Postgres> {
     /// Writes `message` into the outbox in this transaction: it is published only if the
-    /// handler's effects commit. `Ok(false)`: a row with this message ID exists already and
-    /// nothing was written (see [`outbox::write`](crate::outbox::write)).
+    /// handler's effects commit. `Ok(false)`: this very message is in the outbox already and
+    /// nothing was written; another message with its ID is an error that dead-letters the
+    /// incoming message when propagated with `?` (see [`outbox::write`](crate::outbox::write)).
     pub async fn outbox(
         &mut self,
         message: &crate::outbox::OutboxMessage,
@@ -232,7 +234,17 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     fn from(e: E) -> Self {
-        HandlerError::transient(e)
+        let source: Box<dyn std::error::Error + Send + Sync> = e.into();
+        // An outbox message that can never be written (invalid, or its ID taken by another
+        // message) would only burn the attempts: dead-letter it at once.
+        #[cfg(feature = "postgres")]
+        if source
+            .downcast_ref::<crate::outbox::WriteError>()
+            .is_some_and(crate::outbox::WriteError::is_permanent)
+        {
+            return HandlerError::permanent(source);
+        }
+        HandlerError::transient(source)
     }
 }
 
@@ -332,6 +344,24 @@ impl<DB: sqlx::Database> BatchContext<'_, DB> {
     /// The consumer's name.
     pub fn consumer(&self) -> &str {
         self.consumer
+    }
+
+    /// The downstream message ID [`Context::derive_id`] gives `message` for `step`, so a batch
+    /// handler writes the same outbox rows as [`Handler::handle`] would for each message.
+    #[cfg(feature = "postgres")]
+    pub fn derive_id(&self, message: &BatchMessage<'_>, step: &str) -> String {
+        crate::outbox::derive_id(self.consumer, message.id.as_str(), step)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl BatchContext<'_, sqlx::Postgres> {
+    /// Writes `message` into the outbox in the batch's transaction; see [`Context::outbox`].
+    pub async fn outbox(
+        &mut self,
+        message: &crate::outbox::OutboxMessage,
+    ) -> Result<bool, crate::outbox::WriteError> {
+        crate::outbox::write(&mut *self.conn, message).await
     }
 }
 

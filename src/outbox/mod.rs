@@ -21,7 +21,7 @@
 //!             .bind(cx.message_id().as_str())
 //!             .execute(cx.db())
 //!             .await?;
-//!         // Same incoming message + same step name = same ID on every retry.
+//!         // Same consumer + same incoming message + same step name = same ID on every retry.
 //!         let event = OutboxMessage::new(cx.derive_id("order-placed"), "orders.placed", msg.payload().clone())
 //!             .with_key("customer-42");
 //!         cx.outbox(&event).await?;
@@ -30,7 +30,8 @@
 //! }
 //! ```
 //!
-//! Outside a consumer, write on any sqlx transaction: `outbox::write(&mut *tx, &message)`.
+//! Outside a consumer, write on any sqlx transaction: `outbox::write(&mut *tx, &message)`, with an
+//! ID from `outbox::derive_id(scope, parent, step)` or your own.
 //!
 //! # Guarantees
 //!
@@ -70,17 +71,24 @@ pub const ID_HEADER: &str = "message-id";
 /// statement (delivered when its transaction commits).
 pub const NOTIFY_CHANNEL: &str = "txinbox_outbox";
 
-/// Derives a downstream message ID from the ID of the message being handled and a step name:
-/// the lowercase hex SHA-256 of `parent ‖ 0x00 ‖ step`.
+/// Derives a downstream message ID from the message being handled: the lowercase hex SHA-256
+/// of `len(scope) ‖ scope ‖ len(parent) ‖ parent ‖ step` (lengths as 4-byte big-endian).
 ///
-/// Deterministic, so a retried handler writes the same IDs; the `0x00` separator keeps
-/// `("ab", "c")` and `("a", "bc")` apart. Use a distinct step per message a handler emits
-/// (`"shipped"`, `"line-3"`). Chains compose: the IDs of a pipeline's later stages derive from
-/// earlier ones.
-pub fn derive_id(parent: &str, step: &str) -> String {
+/// - `scope` is who derives it: in a handler, the consumer name (that is what
+///   [`Context::derive_id`](crate::Context::derive_id) passes), so two consumers that handle the
+///   same event with the same step name derive two IDs, not one row that drops the other's
+///   message; elsewhere any stable name of the writer (a service, an HTTP route).
+/// - `parent` is the incoming message's ID; `step` names the message among those the handler
+///   emits (`"shipped"`, `"line-3"`).
+///
+/// Deterministic, so a retried handler writes the same IDs; the length prefixes keep
+/// `("ab", "c")` and `("a", "bc")` apart. Chains compose: later stages derive from earlier IDs.
+pub fn derive_id(scope: &str, parent: &str, step: &str) -> String {
     let mut h = Sha256::new();
-    h.update(parent.as_bytes());
-    h.update([0u8]);
+    for part in [scope, parent] {
+        h.update((part.len() as u32).to_be_bytes());
+        h.update(part.as_bytes());
+    }
     h.update(step.as_bytes());
     hex(&h.finalize())
 }
@@ -179,11 +187,23 @@ impl OutboxMessage {
 }
 
 /// Why [`write()`] wrote nothing.
+///
+/// In a handler, `?` makes [`Invalid`](WriteError::Invalid) and
+/// [`Conflict`](WriteError::Conflict) permanent failures (the message is dead-lettered: writing
+/// it again cannot succeed) and [`Database`](WriteError::Database) a transient one.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum WriteError {
     /// The message cannot be stored (empty or overlong ID, empty destination, NUL in text).
     Invalid(String),
+    /// A row with this message ID exists with another destination, key or payload: two
+    /// different messages got one ID. Nothing was written; the transaction is still usable.
+    Conflict {
+        /// The message ID both share.
+        message_id: String,
+        /// What differs: `destination`, `key` or `payload`.
+        differs: &'static str,
+    },
     /// The database refused the insert; the transaction is aborted (was `txinbox::migrate`
     /// run?).
     Database(sqlx::Error),
@@ -193,6 +213,12 @@ impl fmt::Display for WriteError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             WriteError::Invalid(m) => write!(f, "invalid outbox message: {m}"),
+            WriteError::Conflict { message_id, differs } => write!(
+                f,
+                "outbox message ID {message_id} is taken by a message with another {differs}: two \
+                 different messages derived one ID (derive each from its own step name; IDs \
+                 from derive_id include the consumer)"
+            ),
             WriteError::Database(e) => write!(
                 f,
                 "writing the outbox row failed: {e} (if txinbox.outbox is missing, run txinbox::migrate)"
@@ -204,43 +230,71 @@ impl fmt::Display for WriteError {
 impl std::error::Error for WriteError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            WriteError::Invalid(_) => None,
+            WriteError::Invalid(_) | WriteError::Conflict { .. } => None,
             WriteError::Database(e) => Some(e),
         }
     }
 }
 
+impl WriteError {
+    /// Whether writing the same message again cannot succeed (an invalid message, a
+    /// conflicting ID), as opposed to a database failure.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, WriteError::Database(_))
+    }
+}
+
+/// Inserts the row, or, when its ID is taken by a row with another destination, key or payload,
+/// touches that row (a no-op update, so the statement can report it) and returns what differs.
+/// The same message written again returns no row. ON CONFLICT DO UPDATE, unlike a separate
+/// read, sees a conflicting row that a concurrent transaction committed while this one waited.
 const INSERT: &str = "\
-INSERT INTO txinbox.outbox (message_id, destination, message_key, payload, header_names, header_values)
+INSERT INTO txinbox.outbox AS o (message_id, destination, message_key, payload, header_names, header_values)
 VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (message_id) DO NOTHING";
+ON CONFLICT (message_id) DO UPDATE SET message_id = EXCLUDED.message_id
+    WHERE o.destination <> EXCLUDED.destination
+       OR o.message_key IS DISTINCT FROM EXCLUDED.message_key
+       OR o.payload <> EXCLUDED.payload
+RETURNING o.destination = $2, o.message_key IS NOT DISTINCT FROM $3, o.payload = $4";
 
 /// Writes `message` into the outbox on `executor` — normally the handler's transaction
-/// (`cx.db()`, or use `Context::outbox`) or any sqlx transaction (`&mut *tx`). The row is
-/// published only if that transaction commits.
+/// (`cx.db()`, or use `Context::outbox`) or any sqlx transaction (`&mut *tx`); on a pool it is
+/// a transaction of its own. The row is published only if that transaction commits.
 ///
-/// Returns `true` if a row was inserted, `false` if a row with this message ID exists already
-/// (nothing is written; the first write wins even if its payload differs). That makes a
-/// handler that writes the same derived ID twice harmless. Once the relay's retention has
-/// deleted the published row, the same ID can be written again and is published again: the
-/// downstream inbox deduplicates it.
+/// Returns `true` if a row was inserted, `false` if the same message (same ID, destination,
+/// key and payload) is in the outbox already: a handler that writes one derived ID twice is
+/// harmless. The same ID with another destination, key or payload is
+/// [`WriteError::Conflict`], never a silent no-op: one of two different messages would be
+/// lost. Headers are not compared (they may carry per-attempt data, such as trace context).
+/// Once the relay's retention has deleted the published row, the same ID can be written
+/// again and is published again: the downstream inbox deduplicates it.
 pub async fn write<'c, E>(executor: E, message: &OutboxMessage) -> Result<bool, WriteError>
 where
     E: sqlx::Executor<'c, Database = sqlx::Postgres>,
 {
     message.validate()?;
     let (names, values): (Vec<&str>, Vec<&[u8]>) = message.headers.iter().unzip();
-    let done = sqlx::query(INSERT)
+    let row: Option<(bool, bool, bool)> = sqlx::query_as(INSERT)
         .bind(&message.message_id)
         .bind(&message.destination)
         .bind(message.key.as_deref())
         .bind(message.payload.as_ref())
         .bind(names)
         .bind(values)
-        .execute(executor)
+        .fetch_optional(executor)
         .await
         .map_err(WriteError::Database)?;
-    Ok(done.rows_affected() == 1)
+    let differs = match row {
+        None => return Ok(false),
+        Some((true, true, true)) => return Ok(true),
+        Some((false, _, _)) => "destination",
+        Some((_, false, _)) => "key",
+        Some(_) => "payload",
+    };
+    Err(WriteError::Conflict {
+        message_id: message.message_id.clone(),
+        differs,
+    })
 }
 
 /// Why a [`Publisher`] did not get a broker confirmation.
@@ -314,15 +368,17 @@ mod tests {
 
     #[test]
     fn derived_ids_are_stable_and_separated() {
-        let a = derive_id("order-1", "shipped");
-        assert_eq!(a, derive_id("order-1", "shipped"));
+        let a = derive_id("billing", "order-1", "shipped");
+        assert_eq!(a, derive_id("billing", "order-1", "shipped"));
         assert_eq!(a.len(), 64);
-        assert_ne!(a, derive_id("order-1", "billed"));
-        assert_ne!(a, derive_id("order-2", "shipped"));
-        assert_ne!(derive_id("ab", "c"), derive_id("a", "bc"));
+        assert_ne!(a, derive_id("billing", "order-1", "billed"));
+        assert_ne!(a, derive_id("billing", "order-2", "shipped"));
+        assert_ne!(a, derive_id("shipping", "order-1", "shipped"), "another consumer");
+        assert_ne!(derive_id("s", "ab", "c"), derive_id("s", "a", "bc"));
+        assert_ne!(derive_id("sa", "b", "c"), derive_id("s", "ab", "c"));
         // Pinned: changing the derivation would change IDs already in flight.
         let mut h = Sha256::new();
-        h.update(b"order-1\0shipped");
+        h.update(b"\0\0\0\x07billing\0\0\0\x07order-1shipped");
         assert_eq!(a, hex(&h.finalize()));
     }
 

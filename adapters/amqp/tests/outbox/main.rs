@@ -446,7 +446,10 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
     let mut expected_ids = HashSet::new();
     for i in 0..orders {
         let order = format!("order-{i}");
-        let want: Vec<String> = STEPS.iter().map(|s| outbox::derive_id(&order, s)).collect();
+        let want: Vec<String> = STEPS
+            .iter()
+            .map(|s| outbox::derive_id("service-a", &order, s))
+            .collect();
         let attempts = &derived[&order];
         assert!(attempts.iter().all(|ids| *ids == want), "{order}: {attempts:?}");
         // Every order ran; a failed one at least twice. Micro-batching may run a handler
