@@ -7,7 +7,8 @@ use std::time::Duration;
 /// Attempt `n` (1-based) that fails transiently is retried after a random delay in
 /// `[0, min(max_delay, initial_delay * 2^(n-1))]`, unless `n == max_attempts`, in which case the
 /// message is dead-lettered with reason `attempts_exhausted`. A handler's own
-/// [`retry_after`](crate::HandlerError::retry_after) is honoured as a lower bound.
+/// [`retry_after`](crate::HandlerError::retry_after) is honoured as a lower bound, up to
+/// `max_delay`.
 ///
 /// Defaults: 10 attempts, 200 ms initial delay, 60 s maximum delay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,11 +52,13 @@ impl RetryPolicy {
         attempt >= self.max_attempts
     }
 
-    /// Delay before the attempt after `attempt`, given the handler's requested minimum.
+    /// Delay before the attempt after `attempt`, given the handler's requested minimum. A
+    /// requested delay is honoured up to `max_delay`, never beyond: a handler asking for a day
+    /// (or `Duration::MAX`) must not hold a Kafka partition, or a message, that long.
     pub fn delay(&self, attempt: u32, requested: Option<Duration>) -> Duration {
         let ceiling = backoff_ceiling(self.initial_delay, self.max_delay, attempt);
         let jittered = ceiling.mul_f64(fastrand::f64());
-        requested.map_or(jittered, |r| r.max(jittered))
+        requested.map_or(jittered, |r| r.min(self.max_delay).max(jittered))
     }
 
     pub(crate) fn validate(&self) -> Result<(), String> {
@@ -105,7 +108,19 @@ mod tests {
             delays.iter().any(|d| *d != delays[0]),
             "jitter must vary the delay"
         );
-        assert!(p.delay(1, Some(Duration::from_secs(5))) >= Duration::from_secs(5));
+        assert!(p.delay(1, Some(Duration::from_millis(700))) >= Duration::from_millis(700));
+    }
+
+    #[test]
+    fn a_requested_delay_is_honoured_up_to_max_delay() {
+        let p = RetryPolicy::default().max_delay(Duration::from_secs(1));
+        for requested in [Duration::from_secs(5), Duration::from_secs(86_400), Duration::MAX] {
+            assert_eq!(
+                p.delay(1, Some(requested)),
+                Duration::from_secs(1),
+                "{requested:?}"
+            );
+        }
     }
 
     #[test]

@@ -641,3 +641,26 @@ async fn sqlite_store_conforms() {
     batch_suite(Arc::new(store)).await;
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A COMMIT must be durable before the broker is acknowledged: SQLite below `synchronous =
+/// FULL` is reported (the PostgreSQL side is tested with a running consumer in
+/// `tests/postgres/store_health.rs`).
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn sqlite_preflight_reports_a_commit_that_is_not_durable() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
+    let dir = std::env::temp_dir().join(format!("txinbox-preflight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("inbox.db");
+    let durable = txinbox::SqliteInbox::open(&path, 2).await.unwrap();
+    assert!(durable.preflight().await.unwrap().is_empty());
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .synchronous(SqliteSynchronous::Normal);
+    let pool = SqlitePoolOptions::new().connect_with(options).await.unwrap();
+    let warnings = txinbox::SqliteInbox::new(pool).preflight().await.unwrap();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("synchronous is 1"), "{warnings:?}");
+    std::fs::remove_dir_all(dir).unwrap();
+}

@@ -500,6 +500,21 @@ where
             shared,
             max_in_flight,
         } = self;
+        let preflight = shared.clone();
+        tokio::spawn(async move {
+            // Best effort and off the start path: a database that is down now is found by the
+            // first transaction, which fails closed.
+            match preflight.store.preflight().await {
+                Ok(warnings) => {
+                    for warning in warnings {
+                        tracing::warn!(consumer = %preflight.name, %warning, "inbox database setting puts the guarantee at risk");
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(consumer = %preflight.name, error = %e, "checking the inbox database's settings failed")
+                }
+            }
+        });
         let (tx, mut rx) = mpsc::unbounded_channel();
         let intake = tokio::spawn(intake(source, shared.clone(), max_in_flight, tx));
         // If this future is dropped (the caller's "crash"), stop intake too.

@@ -763,8 +763,9 @@ fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32
         return None;
     }
     if !e.is_unavailable() {
-        // Contention (deadlock, lock timeout, busy): this message backs off, intake goes on.
-        tracing::info!(error = %e, "inbox transaction contention; backing off");
+        // A lock conflict, a timeout, a saturated pool: the database is up. This message backs
+        // off, intake goes on, and it is not counted or reported as an outage.
+        tracing::info!(error = %e, "inbox transaction could not run now; backing off");
         return Some(());
     }
     shared.metrics.store_errors.increment(1);

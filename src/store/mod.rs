@@ -176,6 +176,18 @@ pub trait InboxStore: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Checks, once when a consumer starts, the database settings the guarantee relies on, and
+    /// returns a warning (what is off, what it risks, what to set) for each that is not as
+    /// needed. The runtime logs them; it does not refuse to run. The default checks nothing.
+    ///
+    /// The guarantee needs a COMMIT to be durable before the broker is acknowledged: with
+    /// PostgreSQL's `synchronous_commit = off` (or `fsync = off`), or SQLite below
+    /// `synchronous = FULL`, a crash of the server or machine can lose transactions whose
+    /// messages were already acknowledged, and those messages are lost.
+    async fn preflight(&self) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+
     /// The pool's connection limit, so the consumer can refuse a concurrency the pool cannot
     /// serve. `None` if unknown.
     fn max_connections(&self) -> Option<u32> {

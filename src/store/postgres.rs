@@ -77,6 +77,22 @@ impl PostgresInbox {
         ])
     }
 
+    /// [`classify`], except that a pool timeout while every connection is checked out is an
+    /// overload (busy), not an outage: the pool could not hand out a connection because all of
+    /// them were in use, not because the server was unreachable. (A timeout while connections
+    /// sit idle, or while the pool is below its size, comes from connecting: an outage.)
+    fn classify(&self, e: sqlx::Error) -> StoreError {
+        let saturated =
+            self.pool.num_idle() == 0 && self.pool.size() >= self.pool.options().get_max_connections();
+        if matches!(e, sqlx::Error::PoolTimedOut) && saturated {
+            return StoreError::busy(format!(
+                "every one of the pool's {} connections stayed in use for the whole acquire timeout (the pool is too small for its load: the consumer's concurrency plus whatever else the application runs on it)",
+                self.pool.size()
+            ));
+        }
+        classify(e)
+    }
+
     /// The pool.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -186,11 +202,11 @@ impl InboxStore for PostgresInbox {
     type Db = Postgres;
 
     async fn begin(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
-        self.pool.begin().await.map_err(classify)
+        self.pool.begin().await.map_err(|e| self.classify(e))
     }
 
     async fn commit(&self, tx: Transaction<'static, Postgres>) -> Result<(), StoreError> {
-        tx.commit().await.map_err(classify)
+        tx.commit().await.map_err(|e| self.classify(e))
     }
 
     async fn claim(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<Claim, StoreError> {
@@ -200,7 +216,7 @@ impl InboxStore for PostgresInbox {
         let attempts: Option<i32> = bind_entry!(sqlx::query_scalar(CLAIM), entry)
             .fetch_optional(&mut *conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         if let Some(attempt) = attempts {
             return Ok(Claim::New {
                 attempt: attempt as u32,
@@ -215,7 +231,7 @@ impl InboxStore for PostgresInbox {
         .bind(entry.id.as_str())
         .fetch_optional(&mut *conn)
         .await
-        .map_err(classify)?;
+        .map_err(|e| self.classify(e))?;
         Claim::from_existing(row, entry)
     }
 
@@ -248,7 +264,7 @@ impl InboxStore for PostgresInbox {
             .bind(unique.iter().map(|e| e.origin.offset).collect::<Vec<_>>())
             .fetch_all(&mut *conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         let claimed: HashMap<&str, u32> = claimed
             .iter()
             .map(|(id, attempts)| (id.as_str(), *attempts as u32))
@@ -269,7 +285,7 @@ impl InboxStore for PostgresInbox {
             .bind(others)
             .fetch_all(&mut *conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
             existing = rows.into_iter().map(|(id, st, fp)| (id, (st, fp))).collect();
         }
         super::resolve_batch(entries, &claimed, &existing)
@@ -308,7 +324,7 @@ impl InboxStore for PostgresInbox {
             .bind(p.next)
             .execute(conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(())
     }
 
@@ -326,7 +342,7 @@ impl InboxStore for PostgresInbox {
             .bind(&ids)
             .execute(conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(())
     }
 
@@ -335,12 +351,12 @@ impl InboxStore for PostgresInbox {
             .bind(error)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(attempts.map(|a| a as u32))
     }
 
     async fn dead_letter(&self, r: &DeadLetterRecord<'_>) -> Result<DeadLetterOutcome, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let mut tx = self.pool.begin().await.map_err(|e| self.classify(e))?;
         let (mut reason, mut error, mut outcome) =
             (r.reason, r.error.to_owned(), DeadLetterOutcome::Recorded);
         if let Some(entry) = r
@@ -353,7 +369,7 @@ impl InboxStore for PostgresInbox {
                 .bind(r.attempts as i32)
                 .execute(&mut *tx)
                 .await
-                .map_err(classify)?;
+                .map_err(|e| self.classify(e))?;
             if marked.rows_affected() == 0 {
                 let row = sqlx::query_as(
                     "SELECT status, fingerprint FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2",
@@ -362,7 +378,7 @@ impl InboxStore for PostgresInbox {
                 .bind(entry.id.as_str())
                 .fetch_optional(&mut *tx)
                 .await
-                .map_err(classify)?;
+                .map_err(|e| self.classify(e))?;
                 match Taken::decide(row, entry, r.error)? {
                     Taken::AsConflict(text) => {
                         (reason, error, outcome) = (
@@ -372,7 +388,7 @@ impl InboxStore for PostgresInbox {
                         )
                     }
                     Taken::Skip(outcome) => {
-                        tx.rollback().await.map_err(classify)?;
+                        tx.rollback().await.map_err(|e| self.classify(e))?;
                         return Ok(outcome);
                     }
                 }
@@ -399,8 +415,8 @@ impl InboxStore for PostgresInbox {
             .bind(stored.truncated)
             .fetch_optional(&mut *tx)
             .await
-            .map_err(classify)?;
-        tx.commit().await.map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
+        tx.commit().await.map_err(|e| self.classify(e))?;
         Ok(match inserted {
             Some(_) => outcome,
             None => DeadLetterOutcome::AlreadyDeadLettered,
@@ -419,7 +435,7 @@ impl InboxStore for PostgresInbox {
         .bind(message_id)
         .fetch_optional(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
     }
 
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
@@ -430,7 +446,7 @@ impl InboxStore for PostgresInbox {
         .bind(source)
         .fetch_all(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
     }
 
     async fn record_subscription(
@@ -447,7 +463,7 @@ impl InboxStore for PostgresInbox {
             .bind(subscription)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         if recorded.is_some() {
             return Ok(None);
         }
@@ -459,7 +475,34 @@ impl InboxStore for PostgresInbox {
         .bind(source)
         .fetch_optional(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
+    }
+
+    async fn preflight(&self) -> Result<Vec<String>, StoreError> {
+        let (synchronous_commit, fsync): (String, String) =
+            sqlx::query_as("SELECT current_setting('synchronous_commit'), current_setting('fsync')")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|e| self.classify(e))?;
+        let mut warnings = Vec::new();
+        if synchronous_commit == "off" {
+            warnings.push(
+                "synchronous_commit is off on the inbox's connections: PostgreSQL reports a COMMIT \
+                 before it is durable, so a server crash can lose transactions whose messages were \
+                 already acknowledged to the broker, and those messages are lost; set \
+                 synchronous_commit = on (remote_apply or on with synchronous standbys) for the \
+                 consumer's role or database"
+                    .to_owned(),
+            );
+        }
+        if fsync == "off" {
+            warnings.push(
+                "fsync is off on the inbox's server: a crash can lose or corrupt committed \
+                 transactions whose messages were already acknowledged; turn fsync on"
+                    .to_owned(),
+            );
+        }
+        Ok(warnings)
     }
 
     fn max_connections(&self) -> Option<u32> {

@@ -69,6 +69,22 @@ impl SqliteInbox {
             .busy_timeout(Duration::from_secs(30))
     }
 
+    /// [`classify`], except that a pool timeout while every connection is checked out is an
+    /// overload (busy), not an outage: the pool could not hand out a connection because all of
+    /// them were in use, not because the server was unreachable. (A timeout while connections
+    /// sit idle, or while the pool is below its size, comes from connecting: an outage.)
+    fn classify(&self, e: sqlx::Error) -> StoreError {
+        let saturated =
+            self.pool.num_idle() == 0 && self.pool.size() >= self.pool.options().get_max_connections();
+        if matches!(e, sqlx::Error::PoolTimedOut) && saturated {
+            return StoreError::busy(format!(
+                "every one of the pool's {} connections stayed in use for the whole acquire timeout (the pool is too small for its load: the consumer's concurrency plus whatever else the application runs on it)",
+                self.pool.size()
+            ));
+        }
+        classify(e)
+    }
+
     /// The pool.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
@@ -156,18 +172,21 @@ impl InboxStore for SqliteInbox {
     type Db = Sqlite;
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(classify)
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| self.classify(e))
     }
 
     async fn commit(&self, tx: Transaction<'static, Sqlite>) -> Result<(), StoreError> {
-        tx.commit().await.map_err(classify)
+        tx.commit().await.map_err(|e| self.classify(e))
     }
 
     async fn claim(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<Claim, StoreError> {
         let attempts: Option<i64> = bind_entry!(sqlx::query_scalar(CLAIM), entry)
             .fetch_optional(&mut *conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         if let Some(attempt) = attempts {
             return Ok(Claim::New {
                 attempt: attempt as u32,
@@ -180,7 +199,7 @@ impl InboxStore for SqliteInbox {
         .bind(entry.id.as_str())
         .fetch_optional(&mut *conn)
         .await
-        .map_err(classify)?;
+        .map_err(|e| self.classify(e))?;
         Claim::from_existing(row, entry)
     }
 
@@ -194,7 +213,7 @@ impl InboxStore for SqliteInbox {
         .bind(entry.id.as_str())
         .fetch_optional(conn)
         .await
-        .map_err(classify)?;
+        .map_err(|e| self.classify(e))?;
         Ok(found.is_some())
     }
 
@@ -211,7 +230,7 @@ impl InboxStore for SqliteInbox {
             .bind(p.next)
             .execute(conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(())
     }
 
@@ -229,7 +248,7 @@ impl InboxStore for SqliteInbox {
             .bind(serde_json::to_string(&ids).expect("strings serialize"))
             .execute(conn)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(())
     }
 
@@ -238,7 +257,7 @@ impl InboxStore for SqliteInbox {
             .bind(error)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         Ok(attempts.map(|a| a as u32))
     }
 
@@ -256,7 +275,7 @@ impl InboxStore for SqliteInbox {
                 .bind(r.attempts as i64)
                 .execute(&mut *tx)
                 .await
-                .map_err(classify)?;
+                .map_err(|e| self.classify(e))?;
             if marked.rows_affected() == 0 {
                 let row = sqlx::query_as(
                     "SELECT status, fingerprint FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2",
@@ -265,7 +284,7 @@ impl InboxStore for SqliteInbox {
                 .bind(entry.id.as_str())
                 .fetch_optional(&mut *tx)
                 .await
-                .map_err(classify)?;
+                .map_err(|e| self.classify(e))?;
                 match Taken::decide(row, entry, r.error)? {
                     Taken::AsConflict(text) => {
                         (reason, error, outcome) = (
@@ -275,7 +294,7 @@ impl InboxStore for SqliteInbox {
                         )
                     }
                     Taken::Skip(outcome) => {
-                        tx.rollback().await.map_err(classify)?;
+                        tx.rollback().await.map_err(|e| self.classify(e))?;
                         return Ok(outcome);
                     }
                 }
@@ -302,7 +321,7 @@ impl InboxStore for SqliteInbox {
             .bind(stored.truncated)
             .fetch_optional(&mut *tx)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         self.commit(tx).await?;
         Ok(match inserted {
             Some(_) => outcome,
@@ -322,7 +341,7 @@ impl InboxStore for SqliteInbox {
         .bind(message_id)
         .fetch_optional(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
     }
 
     async fn load_positions(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
@@ -333,7 +352,7 @@ impl InboxStore for SqliteInbox {
         .bind(source)
         .fetch_all(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
     }
 
     async fn record_subscription(
@@ -350,7 +369,7 @@ impl InboxStore for SqliteInbox {
             .bind(subscription)
             .fetch_optional(&self.pool)
             .await
-            .map_err(classify)?;
+            .map_err(|e| self.classify(e))?;
         if recorded.is_some() {
             return Ok(None);
         }
@@ -362,7 +381,23 @@ impl InboxStore for SqliteInbox {
         .bind(source)
         .fetch_optional(&self.pool)
         .await
-        .map_err(classify)
+        .map_err(|e| self.classify(e))
+    }
+
+    async fn preflight(&self) -> Result<Vec<String>, StoreError> {
+        let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(if synchronous < 2 {
+            vec![format!(
+                "SQLite synchronous is {synchronous} (below FULL = 2): a power loss can lose \
+                 transactions whose messages were already acknowledged to the broker; open the \
+                 pool with SqliteInbox::connect_options (synchronous = FULL)"
+            )]
+        } else {
+            Vec::new()
+        })
     }
 
     fn max_connections(&self) -> Option<u32> {

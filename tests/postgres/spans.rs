@@ -14,9 +14,13 @@ use super::*;
 
 type Fields = HashMap<String, String>;
 
-/// Collects the fields of every closed `txinbox.process` span.
+/// Collects the fields of every closed `txinbox.process` span, and of every WARN or ERROR
+/// event (its text under `message`).
 #[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<Fields>>>);
+pub(crate) struct Capture {
+    spans: Arc<Mutex<Vec<Fields>>>,
+    events: Arc<Mutex<Vec<Fields>>>,
+}
 
 struct Visitor<'a>(&'a mut Fields);
 impl Visit for Visitor<'_> {
@@ -43,14 +47,21 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
         let span = cx.span(&id).unwrap();
         if span.name() == "txinbox.process" {
             let fields = span.extensions_mut().remove::<Fields>().unwrap();
-            self.0.lock().unwrap().push(fields);
+            self.spans.lock().unwrap().push(fields);
+        }
+    }
+    fn on_event(&self, event: &tracing::Event<'_>, _: LayerContext<'_, S>) {
+        if *event.metadata().level() <= tracing::Level::WARN {
+            let mut fields = Fields::new();
+            event.record(&mut Visitor(&mut fields));
+            self.events.lock().unwrap().push(fields);
         }
     }
 }
 
 /// A global subscriber: a thread-local default races with other tests over tracing's
 /// global callsite-interest cache. Spans of other tests are filtered out by consumer name.
-fn capture() -> &'static Capture {
+pub(crate) fn capture() -> &'static Capture {
     static CAPTURE: std::sync::OnceLock<Capture> = std::sync::OnceLock::new();
     CAPTURE.get_or_init(|| {
         let capture = Capture::default();
@@ -60,9 +71,21 @@ fn capture() -> &'static Capture {
     })
 }
 
+/// WARN and ERROR events logged with `consumer = <consumer>`.
+pub(crate) fn warnings_of(consumer: &str) -> Vec<Fields> {
+    capture()
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.get("consumer").map(String::as_str) == Some(consumer))
+        .cloned()
+        .collect()
+}
+
 fn spans_of(consumer: &str) -> Vec<Fields> {
     capture()
-        .0
+        .spans
         .lock()
         .unwrap()
         .iter()
@@ -140,7 +163,7 @@ async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
     drain("spans", &db, &broker, DepositHandler::default()).await;
 
     let spans: Vec<Fields> = capture
-        .0
+        .spans
         .lock()
         .unwrap()
         .iter()
