@@ -112,3 +112,31 @@ async fn synchronous_commit_off_is_reported_at_start() {
         warnings_of("sync-commit")
     );
 }
+
+/// Connection strings reach errors and `Debug` output only without their password.
+#[tokio::test]
+async fn connection_errors_and_debug_output_never_show_the_password() {
+    const SECRET: &str = "S3cr3t-canary";
+    let mut urls = vec![
+        // Nothing listens there (sqlx retries a refused connection until the acquire timeout,
+        // so only one of these).
+        format!("postgres://app:{SECRET}@127.0.0.1:1/app"),
+    ];
+    for pw in ["", "/with/slashes", "?q=1", "#frag", "@at@"] {
+        let pw = format!("{SECRET}{pw}");
+        // Does not parse.
+        urls.push(format!("postgres://app:{pw}@127.0.0.1:notaport/app"));
+        urls.push(format!("postgres://app@127.0.0.1:notaport/app?password={pw}"));
+    }
+    {
+        for url in urls {
+            let e = txinbox::PostgresInbox::connect(&url, 1).await.unwrap_err();
+            for shown in [e.to_string(), format!("{e:?}"), txinbox::redact::url(&url)] {
+                assert!(!shown.contains(SECRET), "{shown}");
+            }
+        }
+    }
+    let db = TestDb::new(2).await;
+    let shown = format!("{:?}", db.inbox());
+    assert!(!shown.contains("password"), "{shown}");
+}

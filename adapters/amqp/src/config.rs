@@ -206,9 +206,10 @@ impl AmqpConfig {
             .unwrap_or_else(|| format!("txinbox:{}", self.queue))
     }
 
-    /// The URI with its password replaced by `***`, for logs and `Debug`.
+    /// The URI with its password replaced by `***`, for logs and `Debug`
+    /// ([`txinbox::redact::url`]).
     pub fn redacted_uri(&self) -> String {
-        redact_uri(&self.uri)
+        txinbox::redact::url(&self.uri)
     }
 
     /// Checks the configuration; the error says what to change.
@@ -299,29 +300,6 @@ impl fmt::Debug for AmqpConfig {
     }
 }
 
-/// Replaces the password of `scheme://user:password@host…` with `***`.
-pub(crate) fn redact_uri(uri: &str) -> String {
-    let Some(scheme_end) = uri.find("://") else {
-        return uri.to_owned();
-    };
-    let rest = &uri[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return uri.to_owned();
-    };
-    let userinfo = &authority[..at];
-    match userinfo.find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &uri[..scheme_end + 3],
-            &userinfo[..colon],
-            &rest[at..]
-        ),
-        None => uri.to_owned(),
-    }
-}
-
 /// The arguments of the retry queue of work queue `queue`: a quorum queue that dead-letters
 /// expired copies back to `queue` through the default exchange, **at least once**
 /// (`x-dead-letter-strategy = at-least-once`, which needs `x-overflow = reject-publish`).
@@ -369,15 +347,6 @@ mod tests {
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("s3cret"), "{dbg}");
         assert!(dbg.contains("amqp://guest:***@127.0.0.1:5672/%2f"), "{dbg}");
-        assert_eq!(
-            redact_uri("amqps://u:p@h/v?heartbeat=5"),
-            "amqps://u:***@h/v?heartbeat=5"
-        );
-        assert_eq!(redact_uri("amqp://h:5672/%2f"), "amqp://h:5672/%2f");
-        assert_eq!(redact_uri("amqp://user@h"), "amqp://user@h");
-        assert_eq!(redact_uri("a:b@c"), "a:b@c");
-        // An '@' inside the password: everything up to the last '@' of the authority is secret.
-        assert_eq!(redact_uri("amqp://u:p@ss@h/x"), "amqp://u:***@h/x");
     }
 
     fn invalid(c: AmqpConfig, needle: &str) {

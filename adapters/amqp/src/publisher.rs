@@ -9,7 +9,6 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProper
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
-use crate::config::redact_uri;
 use crate::error::Error;
 
 /// The header that carries an outbox row's key. A consumer that must apply one key's messages
@@ -64,7 +63,7 @@ struct Session {
 impl fmt::Debug for AmqpPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpPublisher")
-            .field("uri", &redact_uri(&self.uri))
+            .field("uri", &txinbox::redact::url(&self.uri))
             .field("exchange", &self.exchange)
             .field("publish_timeout", &self.publish_timeout)
             .finish_non_exhaustive()
@@ -77,8 +76,16 @@ impl AmqpPublisher {
     /// are repaired on the next publish. Publishes go to the default exchange until
     /// [`exchange`](Self::exchange) says otherwise.
     pub async fn connect(uri: impl Into<String>) -> Result<AmqpPublisher, Error> {
+        let uri = uri.into();
+        // NOTE: parsed here first: lapin's own parse error quotes the whole URI, password included.
+        if let Err(e) = uri.parse::<lapin::uri::AMQPUri>() {
+            return Err(Error::Config(format!(
+                "AmqpPublisher uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
+                txinbox::redact::url(&uri)
+            )));
+        }
         let publisher = AmqpPublisher {
-            uri: uri.into(),
+            uri,
             exchange: ShortString::default(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
@@ -141,7 +148,7 @@ impl AmqpPublisher {
                 "connect",
                 format!(
                     "no connection to {} within {:?}",
-                    redact_uri(&self.uri),
+                    txinbox::redact::url(&self.uri),
                     self.connect_timeout
                 )
                 .into(),
