@@ -2,6 +2,7 @@
 //! migrations and metrics. Needs `DATABASE_URL` (a role that may create databases);
 //! `scripts/test` provides it.
 
+mod batch_model;
 mod contention;
 mod limits;
 mod metrics;
