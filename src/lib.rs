@@ -20,7 +20,8 @@
 //! | COMMIT outcome unknown | unknown | none: the redelivery or the next attempt decides |
 //! | process killed anywhere | open transaction rolled back by PostgreSQL | none: redelivery |
 //! | database unreachable | nothing written | nothing acked; intake pauses, resumes by itself |
-//! | contention (deadlock, lock timeout, SQLite busy) | rolled back | the message backs off |
+//! | lock conflict (deadlock, serialization failure, lock timeout, SQLite busy) | rolled back | re-run after a backoff, no attempt counted |
+//! | oversized message or ID | not read beyond the limit | dead-lettered (`too_large`, `invalid_id`), stored cut with its size and SHA-256 |
 //!
 //! # Pieces
 //!
@@ -34,6 +35,7 @@
 //! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
 //!   [`SqliteInbox`] (feature `sqlite`).
 //! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
+//! - [`redact`]: how connection strings and secret properties are kept out of logs and errors.
 //! - [`ops`] (feature `postgres`): the operator queries behind the `txinbox` CLI (status,
 //!   retention, replay positions, dead letters).
 //!
