@@ -28,20 +28,21 @@ use crate::store::{
 /// How long a settlement may still take once shutdown has begun.
 const SETTLE_GRACE: Duration = Duration::from_secs(10);
 
-/// What to tell the broker, decided after the database work is done.
+/// What to tell the broker, decided after the database work is done, with the attempt that
+/// decided it (recorded on the span once, at settlement; 0 when no handler ran).
 enum Verdict {
-    Processed,
+    Processed(u32),
     Duplicate,
     /// A redelivery of a message dead-lettered before: sent to the broker's dead-letter
     /// destination again (its copy may never have been confirmed), not recorded again.
     DeadLetterAgain(DeadLetter),
-    Retry(Duration),
-    DeadLetter(DeadLetter),
+    Retry(Duration, u32),
+    DeadLetter(DeadLetter, u32),
 }
 
 /// The result of one trip through the message transaction.
 enum Attempt {
-    Committed,
+    Committed(u32),
     Duplicate,
     DeadLetteredBefore,
     Conflict,
@@ -196,7 +197,7 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
                 shared.batch_contended(false);
                 let settlements = batch.into_iter().zip(claims).map(|(item, claim)| {
                     let verdict = match claim {
-                        Claim::New { .. } => Verdict::Processed,
+                        Claim::New { attempt } => Verdict::Processed(attempt),
                         _ => Verdict::Duplicate,
                     };
                     settle(shared, item.delivery, verdict).instrument(item.span)
@@ -276,10 +277,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     let mut duplicates = Vec::new();
     for (i, claim) in claims.iter().enumerate() {
         match *claim {
-            Claim::New { attempt } => {
-                batch[i].span.record("txinbox.attempt", attempt);
-                new.push((i, attempt));
-            }
+            Claim::New { attempt } => new.push((i, attempt)),
             _ => duplicates.push(entries[i]),
         }
     }
@@ -487,7 +485,7 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             }
         };
         match outcome {
-            Attempt::Committed => return Some(Verdict::Processed),
+            Attempt::Committed(attempt) => return Some(Verdict::Processed(attempt)),
             Attempt::Duplicate => return Some(Verdict::Duplicate),
             Attempt::DeadLetteredBefore => {
                 let earlier =
@@ -531,7 +529,6 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 }
             }
             Attempt::Failed { attempt, error } => {
-                Span::current().record("txinbox.attempt", attempt);
                 let text = clean_text(&error.to_string());
                 if error.is_permanent() {
                     tracing::debug!(attempt, error = %text, "handler failed permanently");
@@ -549,7 +546,7 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 with_store(shared, || shared.store.record_failure(&entry, &text)).await?;
                 shared.metrics.retries.increment(1);
                 match shared.retry_mode {
-                    RetryMode::Redeliver => return Some(Verdict::Retry(delay)),
+                    RetryMode::Redeliver => return Some(Verdict::Retry(delay, attempt)),
                     RetryMode::InPlace => {
                         if !shared.sleep(delay).await {
                             return None;
@@ -602,7 +599,6 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             return Ok(Attempt::Conflict);
         }
     };
-    Span::current().record("txinbox.attempt", attempt);
     crate::crash::hit(crate::crash::AFTER_CLAIM);
 
     let mut cx = Context {
@@ -615,7 +611,7 @@ async fn attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         Ok(()) => match finish(shared, tx, entry, position).await {
             Ok(()) => {
                 crate::crash::hit(crate::crash::AFTER_COMMIT);
-                return Ok(Attempt::Committed);
+                return Ok(Attempt::Committed(attempt));
             }
             Err(error) => error,
         },
@@ -714,10 +710,13 @@ async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         payload_limit: shared.dead_letter_payload_limit,
     };
     let dead = |reason| {
-        Some(Verdict::DeadLetter(DeadLetter {
-            reason,
-            error: error.to_owned(),
-        }))
+        Some(Verdict::DeadLetter(
+            DeadLetter {
+                reason,
+                error: error.to_owned(),
+            },
+            attempts,
+        ))
     };
     match with_store(shared, || shared.store.dead_letter(&record)).await? {
         DeadLetterOutcome::Recorded | DeadLetterOutcome::AlreadyDeadLettered => dead(reason),
@@ -782,27 +781,32 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     verdict: Verdict,
 ) {
     let metrics = &shared.metrics;
-    let (outcome, settlement) = match verdict {
-        Verdict::Processed => {
+    let (outcome, settlement, attempt) = match verdict {
+        Verdict::Processed(attempt) => {
             metrics.processed.increment(1);
-            ("processed", Settlement::Ack)
+            ("processed", Settlement::Ack, attempt)
         }
         Verdict::Duplicate => {
             metrics.duplicates.increment(1);
-            ("duplicate", Settlement::Ack)
+            ("duplicate", Settlement::Ack, 0)
         }
-        Verdict::Retry(after) => ("retry", Settlement::Retry { after }),
+        Verdict::Retry(after, attempt) => ("retry", Settlement::Retry { after }, attempt),
         Verdict::DeadLetterAgain(dl) => {
             metrics.dead_letter(dl.reason);
-            ("dead_lettered_again", Settlement::DeadLetter(dl))
+            ("dead_lettered_again", Settlement::DeadLetter(dl), 0)
         }
-        Verdict::DeadLetter(dl) => {
+        Verdict::DeadLetter(dl, attempt) => {
             metrics.dead_letter(dl.reason);
             tracing::warn!(reason = %dl.reason, error = %dl.error, "dead-lettered");
-            ("dead_lettered", Settlement::DeadLetter(dl))
+            ("dead_lettered", Settlement::DeadLetter(dl), attempt)
         }
     };
-    Span::current().record("txinbox.outcome", outcome);
+    // NOTE: each field once: a formatting subscriber prints every record of a field.
+    let span = Span::current();
+    if attempt > 0 {
+        span.record("txinbox.attempt", attempt);
+    }
+    span.record("txinbox.outcome", outcome);
     // A dead letter's position moves only once the broker has its copy (see below).
     let dead_letter_position = match settlement {
         Settlement::DeadLetter(_) => delivery.position(),

@@ -41,7 +41,16 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Capture {
     fn on_record(&self, id: &Id, values: &Record<'_>, cx: LayerContext<'_, S>) {
         let span = cx.span(id).unwrap();
         let mut ext = span.extensions_mut();
-        values.record(&mut Visitor(ext.get_mut::<Fields>().unwrap()));
+        let fields = ext.get_mut::<Fields>().unwrap();
+        values.record(&mut Visitor(fields));
+        // How often each field was recorded: a formatting subscriber prints every record, so
+        // a field recorded three times shows three times on the span's line.
+        let mut recorded = Fields::new();
+        values.record(&mut Visitor(&mut recorded));
+        for name in recorded.keys() {
+            let count = fields.entry(format!("#{name}")).or_insert_with(|| "0".into());
+            *count = (count.parse::<u32>().unwrap() + 1).to_string();
+        }
     }
     fn on_close(&self, id: Id, cx: LayerContext<'_, S>) {
         let span = cx.span(&id).unwrap();
@@ -210,4 +219,47 @@ async fn an_oversized_id_never_reaches_a_span() {
         assert_eq!(recorded, None, "an ID of this many bytes was recorded");
         assert_eq!(s["txinbox.outcome"], "dead_lettered");
     }
+}
+
+/// Each field of a `txinbox.process` span is recorded once, whatever path the delivery took:
+/// cut out of a batch and run alone, retried in place. A formatting subscriber prints every
+/// record, so the span line used to carry `txinbox.attempt=1` three times.
+#[tokio::test]
+async fn every_span_field_is_recorded_once() {
+    capture();
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    for i in 0..4 {
+        broker.publish_in_lane("l", format!("evt-{i}"), deposit("a", 1, "l", i));
+    }
+    broker.close();
+    // evt-2 fails once: its batch is cut, it runs alone, fails, is retried in place.
+    let handler = DepositHandler::failing(|m, attempt| {
+        (m.native_id() == Some("evt-2") && attempt == 1).then(|| HandlerError::transient("once"))
+    });
+    Consumer::builder("fields-once")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler)
+        .retry_policy(fast_retries())
+        .batch_linger(Duration::from_millis(200))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let spans = spans_of("fields-once");
+    assert_eq!(spans.len(), 4);
+    for s in &spans {
+        for (field, count) in s.iter().filter(|(k, _)| k.starts_with('#')) {
+            assert_eq!(count, "1", "{field} recorded {count} times on {s:?}");
+        }
+        assert_eq!(s["txinbox.outcome"], "processed");
+    }
+    let retried = spans
+        .iter()
+        .find(|s| s["messaging.message.id"] == "evt-2")
+        .unwrap();
+    assert_eq!(retried["txinbox.attempt"], "2");
 }
