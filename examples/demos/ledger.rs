@@ -128,6 +128,9 @@ async fn main() -> anyhow::Result<()> {
                 config = config.set(key, value);
             }
             let source = KafkaSource::new(config, inbox.clone())?;
+            // The crash matrix's sabotaged outage run only (see `txinbox_demos::sabotage`).
+            #[cfg(feature = "crash-points")]
+            let source = txinbox_demos::sabotage::from_env(source);
             tracing::info!(brokers = %args.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
             Consumer::builder(&args.consumer_name)
                 .source(source)
@@ -141,6 +144,8 @@ async fn main() -> anyhow::Result<()> {
             let source = AmqpSource::connect(AmqpConfig::new(&args.amqp_url, &args.queue))
                 .await
                 .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
+            #[cfg(feature = "crash-points")]
+            let source = txinbox_demos::sabotage::from_env(source);
             tracing::info!(queue = %args.queue, "ledger consuming from RabbitMQ");
             Consumer::builder(&args.consumer_name)
                 .source(source)

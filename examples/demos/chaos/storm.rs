@@ -1,0 +1,327 @@
+//! The rebalance storm: three ledgers in one consumer group on a topic with six partitions,
+//! SIGKILLed, stopped with SIGTERM and restarted at random while a producer keeps writing;
+//! then every member drains and the run is checked like the crash matrix (nothing lost, nothing
+//! doubled, nothing left unacknowledged).
+//!
+//! Each kill or stop makes the group rebalance (a killed member once its session times out), and
+//! each restart again: the partitions move between members over and over while records arrive,
+//! with offsets stored in the database and in the group. The figures (kills, stops, restarts,
+//! the assignments and revocations the members logged) are printed under the summary.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+
+use crate::events::Outgoing;
+use crate::process::{describe, tail, Ledger};
+use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, GRACE, POLL};
+
+/// Members of the group.
+const MEMBERS: usize = 3;
+/// Partitions of the storm's topic: two per member.
+const PARTITIONS: i32 = 6;
+/// Per cent of the disruptions that are SIGKILLs; the rest are graceful stops (SIGTERM).
+const KILL_PERCENT: u32 = 70;
+/// Time between two disruptions, in milliseconds.
+const BETWEEN: std::ops::Range<u64> = 1_000..3_500;
+/// Time before a stopped member is started again, in milliseconds.
+const RESTART_AFTER: std::ops::Range<u64> = 0..2_500;
+/// How long the members may take to drain once the churn is over.
+const DRAIN_CAP: Duration = Duration::from_secs(90);
+
+/// Runs the storm on a fresh topic and database.
+pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report> {
+    let setup = Setup {
+        source: "kafka",
+        phase: Phase::Storm,
+        ledger,
+        seed,
+        partitions: PARTITIONS,
+        database_url: &args.database_url,
+        events: args.storm_events,
+    };
+    let (mut chaos, plan) = prepare(args, setup).await?;
+    let messages: Vec<Outgoing> = plan.first_wave.iter().chain(&plan.second_wave).cloned().collect();
+    let mut storm = Storm {
+        members: (0..MEMBERS).map(|_| Member::default()).collect(),
+        stopping: Vec::new(),
+        kills: 0,
+        stops: 0,
+        restarts: 0,
+        started: Instant::now(),
+    };
+    let outcome = storm.churn(&mut chaos, &messages, args).await;
+    let outcome = match outcome {
+        Ok(()) => storm.drain(&mut chaos).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => {
+            if let Err(e) = chaos.check(&plan).await {
+                chaos.report.failures.push(format!("checking failed: {e:#}"));
+            }
+        }
+        Err(e) => chaos.report.failures.push(format!("{e:#}")),
+    }
+    storm.stop_all(&mut chaos).await;
+    let (assigned, revoked) = count_rebalances(chaos.launcher.logs());
+    let r = &chaos.report;
+    let figures = format!(
+        "{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members; {:.0} s; lost {}, doubled {}, unacked {}",
+        plan.expected.events.len() + plan.expected.malformed.len(),
+        plan.expected.messages,
+        storm.kills,
+        storm.stops,
+        storm.restarts,
+        storm.started.elapsed().as_secs_f64(),
+        r.lost,
+        r.doubled,
+        r.unacked,
+    );
+    println!("   storm: {figures}");
+    chaos.report.figures.push(figures);
+    Ok(finish(chaos, args).await)
+}
+
+/// One place in the group.
+#[derive(Default)]
+struct Member {
+    ledger: Option<Ledger>,
+    /// When to start it again once it is down.
+    restart_at: Option<Instant>,
+}
+
+struct Storm {
+    members: Vec<Member>,
+    /// Graceful stops in progress: the member, when it was asked, and the outcome.
+    stopping: Vec<(
+        usize,
+        Instant,
+        JoinHandle<anyhow::Result<(Ledger, Option<std::process::ExitStatus>)>>,
+    )>,
+    kills: u32,
+    stops: u32,
+    restarts: u32,
+    started: Instant,
+}
+
+impl Storm {
+    /// Starts the members, then kills, stops and restarts them at random for
+    /// `--storm-seconds` while publishing `messages` at an even pace.
+    async fn churn(&mut self, chaos: &mut Chaos, messages: &[Outgoing], args: &Args) -> anyhow::Result<()> {
+        let churn = Duration::from_secs(args.storm_seconds);
+        // A tenth up front, so the first members have something to do while they join.
+        let mut sent = messages.len() / 10;
+        chaos.publish(&messages[..sent]).await?;
+        for i in 0..MEMBERS {
+            self.members[i].ledger = Some(chaos.start(&format!("storm-member{i}"), None)?);
+        }
+        let begun = Instant::now();
+        // The first disruption once the members have had time to join and consume.
+        let mut next = Instant::now() + Duration::from_millis(chaos.rng.u64(2_000..4_000));
+        while begun.elapsed() < churn {
+            tokio::time::sleep(POLL).await;
+            let due = (sent as f64
+                + (messages.len() - sent) as f64 * begun.elapsed().as_secs_f64() / churn.as_secs_f64())
+                as usize;
+            let due = due.min(messages.len());
+            if due > sent {
+                chaos.publish(&messages[sent..due]).await?;
+                sent = due;
+            }
+            self.watch(chaos).await?;
+            if Instant::now() >= next {
+                self.disrupt(chaos).await?;
+                next = Instant::now() + Duration::from_millis(chaos.rng.u64(BETWEEN));
+            }
+        }
+        chaos.publish(&messages[sent..]).await?;
+        println!("   published {} messages during the storm", messages.len());
+        Ok(())
+    }
+
+    /// Restarts members whose time has come, collects finished graceful stops, and records a
+    /// member that ended by itself as a failure (it is restarted like the others).
+    async fn watch(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.stopping.len() {
+            if !self.stopping[i].2.is_finished() {
+                i += 1;
+                continue;
+            }
+            let (member, since, handle) = self.stopping.swap_remove(i);
+            let (ledger, status) = handle.await??;
+            let outcome = match status {
+                Some(s) if s.success() => "stopped, exit 0".to_string(),
+                Some(s) => {
+                    chaos.report.failures.push(format!(
+                        "storm: SIGTERM ended member {member} with {}; log {}:\n{}",
+                        describe(s),
+                        ledger.log().display(),
+                        tail(ledger.log(), 15)
+                    ));
+                    format!("FAILED: SIGTERM → {}", describe(s))
+                }
+                None => {
+                    chaos.report.failures.push(format!(
+                        "storm: member {member} did not stop within {GRACE:?} of SIGTERM; log {}",
+                        ledger.log().display()
+                    ));
+                    "FAILED: no exit after SIGTERM".into()
+                }
+            };
+            chaos.line(&format!("SIGTERM member {member}"), &outcome, since);
+            self.members[member].restart_at = Some(now + Duration::from_millis(chaos.rng.u64(RESTART_AFTER)));
+        }
+        for (i, member) in self.members.iter_mut().enumerate() {
+            if let Some(ledger) = &mut member.ledger {
+                if let Some(status) = ledger.exited()? {
+                    chaos.report.failures.push(format!(
+                        "storm: member {i} ended by itself with {}; log {}:\n{}",
+                        describe(status),
+                        ledger.log().display(),
+                        tail(ledger.log(), 15)
+                    ));
+                    chaos.line(
+                        &format!("member {i} ended by itself"),
+                        &format!("FAILED: {}", describe(status)),
+                        now,
+                    );
+                    member.ledger = None;
+                    member.restart_at = Some(now);
+                }
+            }
+            if member.ledger.is_none() && member.restart_at.is_some_and(|t| t <= now) {
+                member.ledger = Some(chaos.start(&format!("storm-member{i}"), None)?);
+                member.restart_at = None;
+                self.restarts += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// SIGKILLs or SIGTERMs one running member, chosen at random.
+    async fn disrupt(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
+        let running: Vec<usize> = (0..MEMBERS)
+            .filter(|&i| self.members[i].ledger.is_some())
+            .collect();
+        if running.is_empty() {
+            return Ok(());
+        }
+        let i = running[chaos.rng.usize(..running.len())];
+        let mut ledger = self.members[i].ledger.take().expect("a running member");
+        let since = Instant::now();
+        if chaos.rng.u32(0..100) < KILL_PERCENT {
+            chaos
+                .kill(&mut ledger, since, &format!("SIGKILL member {i}"))
+                .await?;
+            self.kills += 1;
+            self.members[i].restart_at =
+                Some(Instant::now() + Duration::from_millis(chaos.rng.u64(RESTART_AFTER)));
+        } else {
+            // Stopping gracefully drains and commits, which takes a moment: the storm goes on
+            // meanwhile, and the member is started again once it has exited.
+            self.stops += 1;
+            let handle = tokio::spawn(async move {
+                let status = ledger.terminate(GRACE).await?;
+                Ok((ledger, status))
+            });
+            self.stopping.push((i, since, handle));
+        }
+        Ok(())
+    }
+
+    /// Brings every member up and waits until every event is finished and every partition's
+    /// database position and group offset are at its end.
+    async fn drain(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
+        let since = Instant::now();
+        while !self.stopping.is_empty() || self.members.iter().any(|m| m.ledger.is_none()) {
+            for m in &mut self.members {
+                if m.ledger.is_none() {
+                    m.restart_at = Some(Instant::now());
+                }
+            }
+            self.watch(chaos).await?;
+            tokio::time::sleep(POLL).await;
+        }
+        let mut drained_checks = 0;
+        while drained_checks < 3 {
+            tokio::time::sleep(POLL * 2).await;
+            self.watch(chaos).await?;
+            let drained =
+                chaos.all_finished().await && chaos.side.consumed(&chaos.db.pool).await.unwrap_or(false);
+            drained_checks = if drained { drained_checks + 1 } else { 0 };
+            if since.elapsed() > DRAIN_CAP {
+                let finished = chaos.db.finished().await;
+                chaos.report.failures.push(format!(
+                    "storm: not drained within {DRAIN_CAP:?} of the end of the churn: {finished} of {} events finished (the rest are counted as lost below); logs {}",
+                    chaos.published,
+                    chaos.launcher.logs().display()
+                ));
+                break;
+            }
+        }
+        chaos.line("all members until drained", "drained", since);
+        Ok(())
+    }
+
+    /// Stops every member with SIGTERM; each must exit 0.
+    async fn stop_all(&mut self, chaos: &mut Chaos) {
+        let since = Instant::now();
+        let mut handles = Vec::new();
+        for (i, m) in self.members.iter_mut().enumerate() {
+            if let Some(mut ledger) = m.ledger.take() {
+                handles.push((
+                    i,
+                    tokio::spawn(async move {
+                        let status = ledger.terminate(GRACE).await;
+                        (ledger, status)
+                    }),
+                ));
+            }
+        }
+        for (i, _, handle) in self.stopping.drain(..) {
+            handle.abort();
+            chaos
+                .report
+                .failures
+                .push(format!("storm: member {i} was still stopping at the end"));
+        }
+        let mut outcomes = Vec::new();
+        for (i, handle) in handles {
+            let Ok((ledger, status)) = handle.await else {
+                continue;
+            };
+            match status {
+                Ok(Some(s)) if s.success() => outcomes.push(format!("{i}: exit 0")),
+                Ok(other) => {
+                    let what = other.map_or("no exit".to_string(), describe);
+                    chaos.report.failures.push(format!(
+                        "storm: SIGTERM at the end ended member {i} with {what}; log {}",
+                        ledger.log().display()
+                    ));
+                    outcomes.push(format!("{i}: FAILED {what}"));
+                }
+                Err(e) => chaos
+                    .report
+                    .failures
+                    .push(format!("storm: stopping member {i}: {e:#}")),
+            }
+        }
+        chaos.line("SIGTERM every member", &outcomes.join(", "), since);
+    }
+}
+
+/// Assignments and revocations the members logged (the Kafka source logs one line for each).
+fn count_rebalances(logs: &Path) -> (usize, usize) {
+    let mut assigned = 0;
+    let mut revoked = 0;
+    for entry in std::fs::read_dir(logs).into_iter().flatten().flatten() {
+        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        assigned += text.matches("partitions assigned").count();
+        revoked += text.matches("partitions revoked").count();
+    }
+    (assigned, revoked)
+}
