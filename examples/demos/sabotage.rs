@@ -35,7 +35,9 @@ pub fn from_env<S>(source: S) -> AckOnReceive<S> {
 
 impl<S> std::fmt::Debug for AckOnReceive<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AckOnReceive").field("on", &self.on).finish_non_exhaustive()
+        f.debug_struct("AckOnReceive")
+            .field("on", &self.on)
+            .finish_non_exhaustive()
     }
 }
 
