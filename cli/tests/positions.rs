@@ -42,7 +42,12 @@ async fn restored(p0: i64) -> Option<Restored> {
 
 impl Restored {
     async fn run(&self, args: &[&str]) -> Run {
-        let common = ["--consumer", self.consumer.as_str(), "--topic", self.topic.as_str()];
+        let common = [
+            "--consumer",
+            self.consumer.as_str(),
+            "--topic",
+            self.topic.as_str(),
+        ];
         // `[--json] positions SUBCOMMAND` then the consumer and topic, then the rest.
         let (head, tail) = args.split_at(args.iter().position(|a| *a == "positions").unwrap() + 2);
         txinbox(
@@ -94,7 +99,10 @@ async fn positions_show_reports_a_partition_missing_in_the_database() {
     let text = r.run(&["positions", "show"]).await;
     assert_eq!(text.code, 0, "{text:?}");
     assert!(text.stdout.contains("missing-in-db"), "{text:?}");
-    assert!(text.stdout.contains("positions adopt"), "says the way out: {text:?}");
+    assert!(
+        text.stdout.contains("positions adopt"),
+        "says the way out: {text:?}"
+    );
 }
 
 /// `positions adopt` writes the group's committed offset where the database has no position,
@@ -122,9 +130,17 @@ async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
     assert_eq!(r.position(1).await, Some(3), "the group offset adopted");
     assert_eq!(r.position(0).await, Some(4), "an existing position is kept");
 
-    r.run(&["--json", "positions", "adopt", "--partition", "0", "--force", "--yes"])
-        .await
-        .ok();
+    r.run(&[
+        "--json",
+        "positions",
+        "adopt",
+        "--partition",
+        "0",
+        "--force",
+        "--yes",
+    ])
+    .await
+    .ok();
     assert_eq!(r.position(0).await, Some(5), "--force overwrites");
     let show = r.run(&["--json", "positions", "show"]).await.ok();
     assert_eq!(r.partition(&show, 1)["status"], "ok", "{show:#}");
@@ -155,9 +171,26 @@ async fn positions_set_to_earliest_writes_the_low_watermark() {
     assert_eq!(r.position(0).await, Some(low[0]), "{set:#}");
     assert_eq!(r.position(1).await, Some(low[1]), "{set:#}");
 
-    r.run(&["--json", "positions", "set", "--offset", "2", "--partition", "1", "--yes"])
-        .await
-        .ok();
+    // Forward past where the consumer resumes skips records: only with --force.
+    let skip = r
+        .run(&["positions", "set", "--offset", "2", "--partition", "1", "--yes"])
+        .await;
+    assert_eq!(skip.code, 1, "{skip:?}");
+    assert!(skip.stderr.contains("offsets 0..2"), "{skip:?}");
+    assert_eq!(r.position(1).await, Some(low[1]), "a refusal writes nothing");
+    r.run(&[
+        "--json",
+        "positions",
+        "set",
+        "--offset",
+        "2",
+        "--partition",
+        "1",
+        "--yes",
+        "--force",
+    ])
+    .await
+    .ok();
     assert_eq!(r.position(1).await, Some(2));
     assert_eq!(r.position(0).await, Some(low[0]), "other partitions untouched");
     let no_partition = r.run(&["positions", "set", "--offset", "2", "--yes"]).await;
@@ -172,7 +205,10 @@ async fn positions_rebind_records_a_new_group() {
     commit_group(&r.brokers, &new, &r.topic, &[(0, 2), (1, 2)]);
     let unconfirmed = r.run(&["positions", "rebind", "--group", &new]).await;
     assert_eq!(unconfirmed.code, 1, "{unconfirmed:?}");
-    assert!(unconfirmed.stderr.contains(&r.group), "the plan names the old group: {unconfirmed:?}");
+    assert!(
+        unconfirmed.stderr.contains(&r.group),
+        "the plan names the old group: {unconfirmed:?}"
+    );
     let rebound = r
         .run(&["--json", "positions", "rebind", "--group", &new, "--yes"])
         .await
@@ -202,7 +238,10 @@ async fn positions_ops_classify_plan_and_write_only_what_was_planned() {
     assert_eq!(view(Some(40), Some(50)).status(), PositionStatus::BehindGroup);
     assert_eq!(view(Some(60), Some(50)).status(), PositionStatus::AheadOfGroup);
     assert_eq!(view(Some(5), None).status(), PositionStatus::BelowLowWatermark);
-    assert_eq!(view(Some(101), None).status(), PositionStatus::BeyondHighWatermark);
+    assert_eq!(
+        view(Some(101), None).status(),
+        PositionStatus::BeyondHighWatermark
+    );
 
     let views = [
         PartitionView {
@@ -230,14 +269,8 @@ async fn positions_ops_classify_plan_and_write_only_what_was_planned() {
     assert_eq!(skips.iter().map(|s| s.partition).collect::<Vec<_>>(), [2, 3]);
     assert_eq!(positions::adopt_plan(&views, true).0.len(), 2);
 
-    assert_eq!(
-        positions::resolve_group(Some("g"), None),
-        Ok("g".to_owned())
-    );
-    assert_eq!(
-        positions::resolve_group(None, Some("h")),
-        Ok("h".to_owned())
-    );
+    assert_eq!(positions::resolve_group(Some("g"), None), Ok("g".to_owned()));
+    assert_eq!(positions::resolve_group(None, Some("h")), Ok("h".to_owned()));
     assert!(positions::resolve_group(Some("g"), Some("h")).is_err());
     assert_eq!(
         positions::resolve_group(None, None),
