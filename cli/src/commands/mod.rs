@@ -11,10 +11,7 @@ pub mod status;
 
 use std::io::{BufRead as _, IsTerminal as _, Write as _};
 
-use txinbox::ops::positions as ops_positions;
-use txinbox::sqlx::PgPool;
-
-use crate::error::{db, CliError};
+use crate::error::CliError;
 
 /// Formats an optional time for text output.
 fn when(t: Option<txinbox::ops::Timestamp>) -> String {
@@ -29,15 +26,19 @@ fn num(n: Option<i64>) -> String {
 /// The Kafka group `consumer` reads `topic` through: the one recorded in
 /// `txinbox.subscriptions`, which `given` (`--group`) must agree with; `given` only when
 /// nothing is recorded; otherwise a refusal that says to pass `--group`.
+#[cfg(feature = "kafka")]
 pub async fn group(
-    pool: &PgPool,
+    pool: &txinbox::sqlx::PgPool,
     consumer: &str,
     topic: &str,
     given: Option<&str>,
 ) -> Result<String, CliError> {
+    use txinbox::ops::positions as ops_positions;
     let recorded = ops_positions::subscription(pool, consumer, ops_positions::KAFKA, topic)
         .await
-        .map_err(db("reading the recorded group (txinbox.subscriptions)"))?;
+        .map_err(crate::error::db(
+            "reading the recorded group (txinbox.subscriptions)",
+        ))?;
     ops_positions::resolve_group(recorded.as_deref(), given)
         .map_err(|e| CliError::Failed(e.explain(consumer, topic)))
 }
