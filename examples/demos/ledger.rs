@@ -38,7 +38,7 @@ use tracing_subscriber::EnvFilter;
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
 use txinbox_demos::payments::{create_tables, Ledger};
-use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
 
 /// Applies payment events from Kafka or RabbitMQ to PostgreSQL balances, effectively once.
 #[derive(Debug, Parser)]
@@ -61,6 +61,12 @@ struct Args {
     /// the environment variable), e.g. `session.timeout.ms=6000`.
     #[arg(long = "kafka-property", env = "LEDGER_KAFKA_PROPERTIES", value_delimiter = ',', value_parser = key_value)]
     kafka_properties: Vec<(String, String)>,
+    /// Kafka: where a partition starts when the group has a committed offset but the database
+    /// has no position for it (a restored or fresh database): `refuse` holds the partition and
+    /// says how to release it, `earliest` re-applies everything retained (the inbox drops what
+    /// was applied), `adopt` counts everything before the group's offset as done.
+    #[arg(long, env = "LEDGER_ON_MISSING_POSITION", default_value = "refuse")]
+    on_missing_position: MissingPosition,
     /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
     #[arg(
         long,
@@ -122,8 +128,9 @@ async fn main() -> anyhow::Result<()> {
 
     let result = match args.source {
         Source::Kafka => {
-            let mut config =
-                KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name).topic(&args.topic);
+            let mut config = KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name)
+                .topic(&args.topic)
+                .on_missing_position(args.on_missing_position);
             for (key, value) in &args.kafka_properties {
                 config = config.set(key, value);
             }

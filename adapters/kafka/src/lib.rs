@@ -48,13 +48,14 @@
 //!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
 
 mod config;
+mod produce;
 mod publisher;
 mod source;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION,
-    DEFAULT_REVOKE_TIMEOUT,
+    KafkaConfig, MissingPosition, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
+    DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::{KafkaDelivery, KafkaSource, PositionStore};
@@ -75,6 +76,17 @@ pub mod headers {
     pub const TIMESTAMP: &str = "txinbox.dlq.original.timestamp";
     /// The txinbox consumer name that dead-lettered the record.
     pub const CONSUMER: &str = "txinbox.dlq.consumer";
+    /// `omitted` when the copy carries no payload: the whole record was too large for the
+    /// dead-letter producer or topic. [`ORIGINAL_SIZE`] and [`ORIGINAL_SHA256`] describe it;
+    /// the database's `txinbox.dead_letters` row holds the payload (up to its cap).
+    pub const PAYLOAD: &str = "txinbox.dlq.payload";
+    /// `omitted` when the copy does not carry the original record's headers either (still too
+    /// large without the payload).
+    pub const HEADERS: &str = "txinbox.dlq.headers";
+    /// The original payload's size in bytes (decimal), when the payload is omitted.
+    pub const ORIGINAL_SIZE: &str = "txinbox.dlq.original.size";
+    /// The SHA-256 of the original payload (lowercase hex), when the payload is omitted.
+    pub const ORIGINAL_SHA256: &str = "txinbox.dlq.original.sha256";
 }
 
 /// Metric names this crate records (through the `metrics` facade).
@@ -85,4 +97,21 @@ pub mod metrics_names {
     pub const PAUSES: &str = "txinbox_kafka_partition_pauses_total";
     /// Counter, label `topic`: dead letters produced and confirmed.
     pub const DEAD_LETTERS_PRODUCED: &str = "txinbox_kafka_dead_letters_produced_total";
+    /// Counter, labels `topic` (the dead-letter topic) and `form` (`payload_omitted`,
+    /// `headers_omitted`): dead letters confirmed in a reduced form because the whole record
+    /// was too large (see [`headers::PAYLOAD`](crate::headers::PAYLOAD)).
+    pub const DEAD_LETTERS_REDUCED: &str = "txinbox_kafka_dead_letters_reduced_total";
+    /// Counter, labels `topic` (the dead-letter topic) and `code`: dead letters the topic
+    /// refused for good (authorization, invalid topic, still too large without payload and
+    /// headers). The database's dead-letter row is the record; the partition goes on. Alert
+    /// on any increase.
+    pub const DEAD_LETTERS_REFUSED: &str = "txinbox_kafka_dead_letters_refused_total";
+    /// Gauge, label `topic` (the dead-letter topic): dead letters waiting for the topic after a
+    /// transient produce failure (broker down, timeout). Each holds its partition (fail
+    /// closed) until it is confirmed or the partition is revoked. Alert when it stays above 0.
+    pub const DEAD_LETTERS_WAITING: &str = "txinbox_kafka_dead_letters_waiting";
+    /// Gauge, labels `consumer` and `topic`: partitions held because the group has a committed
+    /// offset and the database no position for them
+    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)). Alert when above 0.
+    pub const PARTITIONS_BLOCKED: &str = "txinbox_kafka_partitions_blocked";
 }
