@@ -69,7 +69,8 @@ pub(crate) async fn claim(
 }
 
 pub(crate) async fn read(conn: &mut PgConnection, s: &Scope<'_>) -> Result<Option<Stored>, sqlx::Error> {
-    let row: Option<(Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>)> = sqlx::query_as(READ)
+    type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>);
+    let row: Option<Row> = sqlx::query_as(READ)
         .bind(s.principal)
         .bind(s.route)
         .bind(s.key)
