@@ -1,0 +1,146 @@
+//! What the handler receives: [`IdempotentTx`] (the transaction) and [`IdempotencyContext`].
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::FromRequestParts;
+use axum::response::{IntoResponse, Response};
+use http::request::Parts;
+use tokio::sync::{Mutex, OwnedMutexGuard};
+use txinbox::sqlx::{postgres::PgConnection, Postgres, Transaction};
+
+use crate::key::IdempotencyKey;
+use crate::problem::Problem;
+
+pub(crate) type Tx = Transaction<'static, Postgres>;
+
+/// The request's transaction, shared between the layer and the extractor.
+#[derive(Clone)]
+pub(crate) struct TxSlot(pub(crate) Arc<Mutex<Option<Tx>>>);
+
+impl TxSlot {
+    pub(crate) fn new(tx: Tx) -> Self {
+        TxSlot(Arc::new(Mutex::new(Some(tx))))
+    }
+
+    /// Takes the transaction back after the handler; `None` if the handler still holds it
+    /// (an [`IdempotentTx`] moved into a task that outlived the handler).
+    pub(crate) fn take(&self) -> Option<Tx> {
+        self.0.try_lock().ok().and_then(|mut g| g.take())
+    }
+}
+
+/// The database transaction in which the request's key was claimed: run the handler's effects
+/// (and any `txinbox::outbox::write`) on it. The layer stores the response in it and commits.
+///
+/// Derefs to `PgConnection`: `sqlx::query(...).execute(&mut *tx)`. Do not commit or roll it
+/// back yourself (it is not yours to end: a 5xx response rolls it back), and do not keep it
+/// beyond the handler: the layer then cannot store the response and answers 500.
+///
+/// Extract it at most once per request. Rejected with a 500 problem when the route has no
+/// [`IdempotencyLayer`](crate::IdempotencyLayer) or it was extracted already.
+pub struct IdempotentTx {
+    guard: OwnedMutexGuard<Option<Tx>>,
+}
+
+impl std::fmt::Debug for IdempotentTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentTx").finish_non_exhaustive()
+    }
+}
+
+impl Deref for IdempotentTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.guard
+            .as_deref()
+            .expect("the slot holds the transaction while extracted")
+    }
+}
+
+impl DerefMut for IdempotentTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.guard
+            .as_deref_mut()
+            .expect("the slot holds the transaction while extracted")
+    }
+}
+
+/// Why [`IdempotentTx`] could not be extracted (500, a programming error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TxRejection {
+    /// The route has no `IdempotencyLayer`.
+    NoLayer,
+    /// The transaction was extracted already in this request.
+    AlreadyTaken,
+}
+
+impl IntoResponse for TxRejection {
+    fn into_response(self) -> Response {
+        let detail = match self {
+            TxRejection::NoLayer => {
+                "the route has no IdempotencyLayer, so there is no transaction to extract"
+            }
+            TxRejection::AlreadyTaken => "IdempotentTx was extracted twice in one request",
+        };
+        let res: Response<Body> = Problem::StoreFailed.response(detail, Default::default());
+        res
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+    type Rejection = TxRejection;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let slot = parts.extensions.get::<TxSlot>().ok_or(TxRejection::NoLayer)?;
+        let guard = slot
+            .0
+            .clone()
+            .try_lock_owned()
+            .map_err(|_| TxRejection::AlreadyTaken)?;
+        if guard.is_none() {
+            return Err(TxRejection::AlreadyTaken);
+        }
+        Ok(IdempotentTx { guard })
+    }
+}
+
+/// The request's idempotency scope and key, for handlers that derive IDs from them (outbox
+/// message IDs, the downstream's idempotency key). A request extension set by the layer;
+/// extract it with `axum::Extension<IdempotencyContext>`.
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    pub(crate) principal: Option<String>,
+    pub(crate) route: String,
+    pub(crate) key: Option<IdempotencyKey>,
+}
+
+impl IdempotencyContext {
+    /// The principal that scopes the key (`None` on an optional route called without a key).
+    pub fn principal(&self) -> Option<&str> {
+        self.principal.as_deref()
+    }
+
+    /// The matched route.
+    pub fn route(&self) -> &str {
+        &self.route
+    }
+
+    /// The request's key, `None` on an optional route called without one.
+    pub fn key(&self) -> Option<&IdempotencyKey> {
+        self.key.as_ref()
+    }
+
+    /// A stable ID for `step` of this request: the same principal, route, key and step give
+    /// the same ID on every retry (`txinbox::outbox::derive_id` with the route as scope and the
+    /// length-prefixed principal and key as parent). `None` without a key.
+    pub fn derive_id(&self, step: &str) -> Option<String> {
+        let key = self.key.as_ref()?;
+        let principal = self.principal.as_deref().unwrap_or("");
+        let parent = format!("{}:{principal}{}", principal.len(), key.as_str());
+        Some(txinbox::outbox::derive_id(&self.route, &parent, step))
+    }
+}

@@ -1,0 +1,481 @@
+//! [`Idempotency`]: the tower `Service` the layer wraps a route in.
+
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use bytes::{Bytes, BytesMut};
+use futures::{FutureExt, StreamExt};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::Service;
+use tracing::Instrument;
+use txinbox::sqlx::{self, AssertSqlSafe};
+
+use crate::extract::{IdempotencyContext, Tx, TxSlot};
+use crate::fingerprint::fingerprint;
+use crate::key::{IdempotencyKey, IDEMPOTENT_REPLAYED};
+use crate::layer::{Config, OversizedResponse};
+use crate::problem::Problem;
+use crate::store::{self, classify, Failure, Scope};
+use crate::telemetry::{self, Outcome};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The header set on a replay whose body was not stored ([`OversizedResponse::StoreHeadersOnly`]).
+pub const IDEMPOTENT_REPLAYED_BODY: &str = "idempotent-replayed-body";
+
+/// The middleware built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    pub(crate) inner: S,
+    pub(crate) config: Arc<Config>,
+}
+
+impl<S> fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency").finish_non_exhaustive()
+    }
+}
+
+impl<S, ResBody> Service<Request<Body>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // The ready service handles this request; the clone waits for the next poll_ready.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        let route = req
+            .extensions()
+            .get::<MatchedPath>()
+            .map(|m| m.as_str().to_owned())
+            .unwrap_or_else(|| req.uri().path().to_owned());
+        let span = tracing::info_span!(
+            "txinbox.http.idempotency",
+            http.route = %route,
+            http.request.method = %req.method(),
+            txinbox.http.outcome = tracing::field::Empty,
+        );
+        Box::pin(
+            async move {
+                let (outcome, res) = run(&config, inner, req, route.clone()).await;
+                telemetry::record(&route, outcome);
+                res
+            }
+            .instrument(span),
+        )
+    }
+}
+
+type Answer<E> = (Outcome, Result<Response<Body>, E>);
+
+fn problem<E>(outcome: Outcome, p: Problem, detail: impl Into<String>, c: &Config) -> Answer<E> {
+    (outcome, Ok(p.response(detail, c.retry_after)))
+}
+
+/// A database error before the handler ran.
+fn db_problem<E>(e: &sqlx::Error, c: &Config) -> Answer<E> {
+    match classify(e) {
+        Failure::LockWait => problem(
+            Outcome::InFlight,
+            Problem::InFlight,
+            "another request with this Idempotency-Key is still being processed; retry later with the same key",
+            c,
+        ),
+        Failure::Unavailable => {
+            tracing::warn!(error = %e, "idempotency store unavailable");
+            problem(
+                Outcome::Unavailable,
+                Problem::Unavailable,
+                "the database is unavailable; nothing was stored; retry later with the same key",
+                c,
+            )
+        }
+        Failure::Aborted | Failure::Fatal => {
+            tracing::error!(error = %e, "idempotency store failed");
+            problem(
+                Outcome::StoreFailed,
+                Problem::StoreFailed,
+                "the idempotency store failed; nothing was stored",
+                c,
+            )
+        }
+    }
+}
+
+async fn run<S, ResBody>(c: &Config, inner: S, req: Request<Body>, route: String) -> Answer<S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let key = match IdempotencyKey::from_headers(req.headers()) {
+        Ok(key) => key,
+        Err(e) => return problem(Outcome::InvalidKey, Problem::InvalidKey, e.to_string(), c),
+    };
+    let Some(key) = key else {
+        if c.required {
+            return problem(
+                Outcome::MissingKey,
+                Problem::MissingKey,
+                "send an Idempotency-Key header (a unique value per operation, e.g. a UUID) and reuse it when retrying",
+                c,
+            );
+        }
+        return run_without_key(c, inner, req, route).await;
+    };
+    let (mut parts, body) = req.into_parts();
+    let Some(principal) = (c.principal)(&parts) else {
+        return problem(
+            Outcome::NoPrincipal,
+            Problem::NoPrincipal,
+            "the request is not authenticated, so its Idempotency-Key has no scope",
+            c,
+        );
+    };
+
+    // The body, whole and bounded: the fingerprint needs it and nothing is cut.
+    let too_large = || {
+        problem(
+            Outcome::TooLarge,
+            Problem::RequestTooLarge,
+            format!("the request body is larger than {} bytes", c.max_request_bytes),
+            c,
+        )
+    };
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > c.max_request_bytes as u64) {
+        return too_large();
+    }
+    let bytes = match Limited::new(body, c.max_request_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(),
+        Err(e) => {
+            return problem(
+                Outcome::Unreadable,
+                Problem::UnreadableBody,
+                format!("the request body could not be read: {e}"),
+                c,
+            )
+        }
+    };
+    let fp = fingerprint(&parts.method, &route, parts.uri.query(), &bytes);
+    let scope = Scope {
+        principal: &principal,
+        route: &route,
+        key: key.as_str(),
+    };
+
+    // BEGIN and the bounded lock wait in one round trip, then the claim: the decision.
+    let started = Instant::now();
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+        c.lock_wait.as_millis().max(1)
+    );
+    let mut tx: Tx = match c.pool.begin_with(AssertSqlSafe(begin)).await {
+        Ok(tx) => tx,
+        Err(e) => return db_problem(&e, c),
+    };
+    let claimed = store::claim(&mut tx, &scope, &fp, c.ttl).await;
+    telemetry::claim_duration(&route, started.elapsed());
+    match claimed {
+        Ok(true) => {}
+        Ok(false) => {
+            // Not claimed: a committed row holds the key. A new statement, so a new snapshot
+            // that sees the row that blocked the insert.
+            let stored = store::read(&mut tx, &scope).await;
+            drop(tx); // read only: rolled back
+            return match stored {
+                Ok(Some(s)) if s.fingerprint[..] == fp[..] => (Outcome::Replayed, Ok(replay(s))),
+                Ok(Some(_)) => problem(
+                    Outcome::KeyReused,
+                    Problem::KeyReused,
+                    "this Idempotency-Key was already used with a different request (method, route, query or body); use a new key for a new request",
+                    c,
+                ),
+                // Purged or expired between the two statements: the retry decides.
+                Ok(None) => problem(
+                    Outcome::InFlight,
+                    Problem::InFlight,
+                    "the stored response for this Idempotency-Key just expired; retry with the same key",
+                    c,
+                ),
+                Err(e) => db_problem(&e, c),
+            };
+        }
+        Err(e) => return db_problem(&e, c),
+    }
+
+    // Claimed: the handler runs in the transaction.
+    let slot = TxSlot::new(tx);
+    parts.extensions.insert(slot.clone());
+    parts.extensions.insert(IdempotencyContext {
+        principal: Some(principal.clone()),
+        route: route.clone(),
+        key: Some(key.clone()),
+    });
+    let req = Request::from_parts(parts, Body::from(bytes));
+    let result = call(inner, req).await;
+    let tx = slot.take();
+    let res = match result {
+        Err(()) => {
+            drop(tx);
+            return problem(
+                Outcome::Panicked,
+                Problem::HandlerPanicked,
+                "the handler failed; its effects were rolled back and the Idempotency-Key can be retried",
+                c,
+            );
+        }
+        Ok(Err(e)) => return (Outcome::HandlerFailed, Err(e)),
+        Ok(Ok(res)) => res,
+    };
+    let Some(mut tx) = tx else {
+        tracing::error!("the handler kept its IdempotentTx beyond its response; rolled back");
+        return problem(
+            Outcome::NotStored,
+            Problem::NotStored,
+            "the handler kept the transaction beyond its response; its effects were rolled back",
+            c,
+        );
+    };
+    if res.status().is_server_error() {
+        // NOTE: a 5xx is transient by contract: roll back, do not burn the key.
+        drop(tx);
+        return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
+    }
+
+    // The response body, bounded; never cut silently.
+    let (rparts, rbody) = res.into_parts();
+    let mut stream = Body::new(rbody).into_data_stream();
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut size = 0usize;
+    let mut oversized = false;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(chunk) => {
+                size += chunk.len();
+                chunks.push(chunk);
+                if size > c.max_response_bytes {
+                    oversized = true;
+                    break;
+                }
+            }
+            Err(e) => {
+                drop(tx);
+                tracing::error!(error = %e, "the response body failed; rolled back");
+                return problem(
+                    Outcome::NotStored,
+                    Problem::NotStored,
+                    "the response body failed; the effects were rolled back and the Idempotency-Key can be retried",
+                    c,
+                );
+            }
+        }
+    }
+    if oversized && c.oversized_response == OversizedResponse::Refuse {
+        drop(tx);
+        return problem(
+            Outcome::NotStored,
+            Problem::NotStored,
+            format!(
+                "the response body is larger than the {} bytes that can be stored; the effects were rolled back",
+                c.max_response_bytes
+            ),
+            c,
+        );
+    }
+    let body = (!oversized).then(|| {
+        let mut b = BytesMut::with_capacity(size);
+        for chunk in &chunks {
+            b.extend_from_slice(chunk);
+        }
+        b.freeze()
+    });
+    let (mut names, mut values) = (Vec::new(), Vec::new());
+    for name in &c.stored_headers {
+        for value in rparts.headers.get_all(name) {
+            names.push(name.as_str());
+            values.push(value.as_bytes());
+        }
+    }
+    let stored = store::store(
+        &mut tx,
+        &scope,
+        &store::Response {
+            status: rparts.status.as_u16(),
+            header_names: names,
+            header_values: values,
+            body: body.as_deref(),
+            body_size: body.as_ref().map_or(0, |b| b.len() as i64),
+        },
+    )
+    .await;
+    match stored {
+        Ok(true) => {}
+        Ok(false) => {
+            drop(tx);
+            tracing::error!("the claimed idempotency row is gone (the handler changed it); rolled back");
+            return problem(
+                Outcome::NotStored,
+                Problem::NotStored,
+                "the handler changed the idempotency record; its effects were rolled back",
+                c,
+            );
+        }
+        Err(e) if classify(&e) == Failure::Aborted => {
+            drop(tx);
+            tracing::error!("a statement of the handler failed and the handler went on; rolled back");
+            return problem(
+                Outcome::NotStored,
+                Problem::NotStored,
+                "a database statement of the handler failed, so its transaction was aborted; nothing was committed",
+                c,
+            );
+        }
+        Err(e) => return db_problem(&e, c),
+    }
+    if let Err(e) = tx.commit().await {
+        // NOTE: the outcome is unknown. The retry finds the stored response or nothing.
+        tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
+        return problem(
+            Outcome::CommitUnknown,
+            Problem::Unavailable,
+            "the database connection failed while committing; retry with the same key: it replays the stored response or runs afresh",
+            c,
+        );
+    }
+    telemetry::stored_bytes(&route, body.as_ref().map_or(0, |b| b.len()));
+    let body = match body {
+        Some(b) => Body::from(b),
+        None => Body::from_stream(futures::stream::iter(chunks.into_iter().map(Ok)).chain(stream)),
+    };
+    (Outcome::Executed, Ok(Response::from_parts(rparts, body)))
+}
+
+/// An optional route called without a key: a plain transaction, committed below 500.
+async fn run_without_key<S, ResBody>(
+    c: &Config,
+    inner: S,
+    mut req: Request<Body>,
+    route: String,
+) -> Answer<S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let principal = {
+        let (parts, body) = req.into_parts();
+        let p = (c.principal)(&parts);
+        req = Request::from_parts(parts, body);
+        p
+    };
+    let tx = match c.pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return db_problem(&e, c),
+    };
+    let slot = TxSlot::new(tx);
+    req.extensions_mut().insert(slot.clone());
+    req.extensions_mut().insert(IdempotencyContext {
+        principal,
+        route,
+        key: None,
+    });
+    let result = call(inner, req).await;
+    let tx = slot.take();
+    let res = match result {
+        Err(()) => {
+            return problem(
+                Outcome::Panicked,
+                Problem::HandlerPanicked,
+                "the handler failed; its effects were rolled back",
+                c,
+            )
+        }
+        Ok(Err(e)) => return (Outcome::HandlerFailed, Err(e)),
+        Ok(Ok(res)) => res,
+    };
+    let Some(tx) = tx else {
+        return problem(
+            Outcome::NotStored,
+            Problem::NotStored,
+            "the handler kept the transaction beyond its response; its effects were rolled back",
+            c,
+        );
+    };
+    if res.status().is_server_error() {
+        drop(tx);
+        return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
+    }
+    if let Err(e) = tx.commit().await {
+        tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
+        return problem(
+            Outcome::CommitUnknown,
+            Problem::Unavailable,
+            "the database connection failed while committing; the outcome is unknown",
+            c,
+        );
+    }
+    (Outcome::NoKey, Ok(res.map(Body::new)))
+}
+
+/// Calls the inner service; `Err(())` if it panicked.
+async fn call<S, B>(mut inner: S, req: Request<Body>) -> Result<Result<Response<B>, S::Error>, ()>
+where
+    S: Service<Request<Body>, Response = Response<B>>,
+{
+    AssertUnwindSafe(async move { inner.call(req).await })
+        .catch_unwind()
+        .await
+        .map_err(|_| tracing::error!("the handler panicked; rolled back"))
+}
+
+/// The stored response, marked `Idempotent-Replayed: true`.
+fn replay(s: store::Stored) -> Response<Body> {
+    let omitted = s.body.is_none();
+    let mut res = Response::new(Body::from(s.body.unwrap_or_default()));
+    *res.status_mut() = StatusCode::from_u16(s.status as u16).unwrap_or(StatusCode::OK);
+    for (name, value) in s.header_names.iter().zip(&s.header_values) {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            res.headers_mut().append(n, v);
+        }
+    }
+    res.headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    if omitted {
+        res.headers_mut()
+            .insert(IDEMPOTENT_REPLAYED_BODY, HeaderValue::from_static("omitted"));
+    }
+    res
+}

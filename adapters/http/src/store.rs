@@ -1,0 +1,185 @@
+//! The `txinbox.http_idempotency` table: claim, read, store, purge.
+
+use std::time::Duration;
+
+use txinbox::sqlx::{self, postgres::PgConnection, PgPool};
+
+/// The claim: the first statement of the request's transaction and the deduplication
+/// decision. Inserts the row, or takes over an expired one; returns a row only then.
+///
+/// NOTE: a concurrent request with the same key blocks on the primary key until the first
+/// transaction ends (bounded by `lock_timeout`); in READ COMMITTED it then sees the committed
+/// row (no row returned: replay or 422) or, after a rollback, inserts (runs the handler).
+const CLAIM: &str = "\
+INSERT INTO txinbox.http_idempotency AS h
+    (principal, route, idempotency_key, fingerprint, expires_at)
+VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
+ON CONFLICT (principal, route, idempotency_key) DO UPDATE
+    SET fingerprint = EXCLUDED.fingerprint, status = 0, header_names = '{}',
+        header_values = '{}', body = NULL, body_size = 0, created_at = now(),
+        expires_at = EXCLUDED.expires_at
+    WHERE h.expires_at <= now()
+RETURNING 1";
+
+const READ: &str = "\
+SELECT fingerprint, status, header_names, header_values, body
+FROM txinbox.http_idempotency
+WHERE principal = $1 AND route = $2 AND idempotency_key = $3";
+
+/// Writes the response into the claimed row, just before COMMIT. It doubles as the check that
+/// the transaction is still alive: after a failed statement the handler ignored, PostgreSQL
+/// refuses it (25P02) instead of letting COMMIT roll back silently.
+const STORE: &str = "\
+UPDATE txinbox.http_idempotency
+SET status = $4, header_names = $5, header_values = $6, body = $7, body_size = $8
+WHERE principal = $1 AND route = $2 AND idempotency_key = $3 AND status = 0
+RETURNING 1";
+
+/// A stored response.
+pub(crate) struct Stored {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) status: i16,
+    pub(crate) header_names: Vec<String>,
+    pub(crate) header_values: Vec<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+}
+
+/// The row's key.
+pub(crate) struct Scope<'a> {
+    pub(crate) principal: &'a str,
+    pub(crate) route: &'a str,
+    pub(crate) key: &'a str,
+}
+
+pub(crate) async fn claim(
+    conn: &mut PgConnection,
+    s: &Scope<'_>,
+    fingerprint: &[u8; 32],
+    ttl: Duration,
+) -> Result<bool, sqlx::Error> {
+    let row: Option<i32> = sqlx::query_scalar(CLAIM)
+        .bind(s.principal)
+        .bind(s.route)
+        .bind(s.key)
+        .bind(&fingerprint[..])
+        .bind(ttl.as_millis().min(i64::MAX as u128) as f64)
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.is_some())
+}
+
+pub(crate) async fn read(conn: &mut PgConnection, s: &Scope<'_>) -> Result<Option<Stored>, sqlx::Error> {
+    type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>);
+    let row: Option<Row> = sqlx::query_as(READ)
+        .bind(s.principal)
+        .bind(s.route)
+        .bind(s.key)
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.map(
+        |(fingerprint, status, header_names, header_values, body)| Stored {
+            fingerprint,
+            status,
+            header_names,
+            header_values,
+            body,
+        },
+    ))
+}
+
+pub(crate) struct Response<'a> {
+    pub(crate) status: u16,
+    pub(crate) header_names: Vec<&'a str>,
+    pub(crate) header_values: Vec<&'a [u8]>,
+    pub(crate) body: Option<&'a [u8]>,
+    pub(crate) body_size: i64,
+}
+
+pub(crate) async fn store(
+    conn: &mut PgConnection,
+    s: &Scope<'_>,
+    r: &Response<'_>,
+) -> Result<bool, sqlx::Error> {
+    let row: Option<i32> = sqlx::query_scalar(STORE)
+        .bind(s.principal)
+        .bind(s.route)
+        .bind(s.key)
+        .bind(r.status as i16)
+        .bind(&r.header_names)
+        .bind(&r.header_values)
+        .bind(r.body)
+        .bind(r.body_size)
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.is_some())
+}
+
+/// How a database error answers the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Failure {
+    /// `lock_timeout` while waiting for the key's row: another request holds it (409).
+    LockWait,
+    /// Unreachable, overloaded, shutting down, a lost connection (503).
+    Unavailable,
+    /// The transaction was aborted by an earlier failed statement (25P02).
+    Aborted,
+    /// Anything else: a bug or a missing migration (500).
+    Fatal,
+}
+
+pub(crate) fn classify(e: &sqlx::Error) -> Failure {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => Failure::Unavailable,
+        sqlx::Error::Database(db) => match db.code().as_deref() {
+            Some("55P03") => Failure::LockWait,
+            Some("25P02") => Failure::Aborted,
+            Some(code)
+                if code.starts_with("08") // connection exceptions
+                    || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
+                    || code == "53300" // too_many_connections
+                    || code == "40001" // serialization failure
+                    || code == "40P01" // deadlock
+                    || code == "57014" // query_canceled (statement_timeout)
+                    || code == "25P03" =>
+            // idle_in_transaction_session_timeout
+            {
+                Failure::Unavailable
+            }
+            _ => Failure::Fatal,
+        },
+        _ => Failure::Fatal,
+    }
+}
+
+/// Deletes expired idempotency records, `batch` rows per statement, until none is left;
+/// returns how many were deleted.
+///
+/// After expiry a key is new again: a retry with it runs the handler. So the TTL
+/// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
+/// the longest time a client may retry. Safe to run while requests are served: a record being
+/// re-claimed right now is locked (skipped) and gets a new expiry.
+pub async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
+    let mut total = 0;
+    loop {
+        let deleted = sqlx::query(
+            "DELETE FROM txinbox.http_idempotency AS h
+             WHERE (h.principal, h.route, h.idempotency_key) IN (
+                 SELECT principal, route, idempotency_key FROM txinbox.http_idempotency
+                 WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)
+               AND h.expires_at <= now()",
+        )
+        .bind(batch.max(1))
+        .execute(pool)
+        .await?
+        .rows_affected();
+        total += deleted;
+        if deleted < batch.max(1) as u64 {
+            return Ok(total);
+        }
+    }
+}
