@@ -263,6 +263,7 @@ async fn secrets_in_connection_strings_never_reach_the_output() {
         format!("sasl_ssl://operator:{secret}@127.0.0.1:1"),
         format!("operator:{secret}@127.0.0.1:1,127.0.0.1:2"),
     ];
+    let mut runs = Vec::new();
     for brokers in &brokers_with_secret {
         for args in [
             &["status"][..],
@@ -288,13 +289,23 @@ async fn secrets_in_connection_strings_never_reach_the_output() {
                 "g",
             ][..],
         ] {
-            let run = txinbox(&db.url, Some(brokers), args).await;
-            assert_ne!(run.code, 0, "{args:?} {brokers}: {run:?}");
-            assert!(
-                !run.stdout.contains(secret) && !run.stderr.contains(secret),
-                "{args:?} {brokers}: {run:?}"
-            );
+            // Side by side: each waits for the unreachable brokers' timeout.
+            let (url, brokers) = (db.url.clone(), brokers.clone());
+            let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            runs.push(tokio::spawn(async move {
+                let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+                let run = txinbox(&url, Some(&brokers), &argv).await;
+                (args, brokers, run)
+            }));
         }
+    }
+    for r in runs {
+        let (args, brokers, run) = r.await.unwrap();
+        assert_ne!(run.code, 0, "{args:?} {brokers}: {run:?}");
+        assert!(
+            !run.stdout.contains(secret) && !run.stderr.contains(secret),
+            "{args:?} {brokers}: {run:?}"
+        );
     }
     for url in [
         format!("postgres://operator:{secret}@127.0.0.1:1/inbox"),
