@@ -96,6 +96,24 @@ async fn positions_show_reports_a_partition_missing_in_the_database() {
     assert_eq!(p1["group_offset"], 3, "{show:#}");
     assert_eq!(p1["status"], "missing-in-db", "{show:#}");
 
+    // status says the same, for the recorded group.
+    let status = txinbox(
+        &r.db.url,
+        Some(&r.brokers),
+        &["--json", "status", "--consumer", &r.consumer],
+    )
+    .await
+    .ok();
+    let c = &status["consumers"][0];
+    let p1 = c["partitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["partition"] == 1)
+        .unwrap_or_else(|| panic!("{status:#}"));
+    assert_eq!(p1["status"], "missing-in-db", "{status:#}");
+    assert_eq!(p1["group"], r.group.as_str(), "{status:#}");
+
     let text = r.run(&["positions", "show"]).await;
     assert_eq!(text.code, 0, "{text:?}");
     assert!(text.stdout.contains("missing-in-db"), "{text:?}");
