@@ -263,6 +263,7 @@ async fn secrets_in_connection_strings_never_reach_the_output() {
         format!("sasl_ssl://operator:{secret}@127.0.0.1:1"),
         format!("operator:{secret}@127.0.0.1:1,127.0.0.1:2"),
     ];
+    let mut runs = Vec::new();
     for brokers in &brokers_with_secret {
         for args in [
             &["status"][..],
@@ -288,13 +289,23 @@ async fn secrets_in_connection_strings_never_reach_the_output() {
                 "g",
             ][..],
         ] {
-            let run = txinbox(&db.url, Some(brokers), args).await;
-            assert_ne!(run.code, 0, "{args:?} {brokers}: {run:?}");
-            assert!(
-                !run.stdout.contains(secret) && !run.stderr.contains(secret),
-                "{args:?} {brokers}: {run:?}"
-            );
+            // Side by side: each waits for the unreachable brokers' timeout.
+            let (url, brokers) = (db.url.clone(), brokers.clone());
+            let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            runs.push(tokio::spawn(async move {
+                let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+                let run = txinbox(&url, Some(&brokers), &argv).await;
+                (args, brokers, run)
+            }));
         }
+    }
+    for r in runs {
+        let (args, brokers, run) = r.await.unwrap();
+        assert_ne!(run.code, 0, "{args:?} {brokers}: {run:?}");
+        assert!(
+            !run.stdout.contains(secret) && !run.stderr.contains(secret),
+            "{args:?} {brokers}: {run:?}"
+        );
     }
     for url in [
         format!("postgres://operator:{secret}@127.0.0.1:1/inbox"),
@@ -319,4 +330,68 @@ async fn secrets_in_connection_strings_never_reach_the_output() {
             );
         }
     }
+}
+
+/// On a terminal, purge asks after showing its plan: anything but `y`/`yes` changes nothing.
+/// (The terminal is a pseudo-terminal from util-linux `script`; skipped where it is missing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_asks_on_a_terminal_and_deletes_only_on_yes() {
+    if std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIPPED: no `script` (util-linux) to give the command a terminal");
+        return;
+    }
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    old_rows(&db, &consumer, 3, 30).await;
+    let on_a_terminal = |answer: &'static str| {
+        let (url, consumer) = (db.url.clone(), consumer.clone());
+        async move {
+            use tokio::io::AsyncWriteExt;
+            let command = format!(
+                "{} purge --consumer {consumer} --older-than 7d",
+                env!("CARGO_BIN_EXE_txinbox")
+            );
+            let mut child = tokio::process::Command::new("script")
+                .args(["-qec", &command, "/dev/null"])
+                .env("DATABASE_URL", &url)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("script runs");
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(answer.as_bytes()).await.unwrap();
+            stdin.flush().await.unwrap();
+            // script passes the end of input on to the terminal after the answer.
+            drop(stdin);
+            let out = tokio::time::timeout(std::time::Duration::from_secs(60), child.wait_with_output())
+                .await
+                .expect("answered within 60 s, not left waiting")
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        }
+    };
+    let (code, out) = on_a_terminal("n\n").await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!("{consumer}: would delete 3")),
+        "the plan first: {out}"
+    );
+    assert!(out.contains("[y/N]"), "{out}");
+    assert_eq!(
+        inbox_rows(&db, &consumer).await,
+        3,
+        "not confirmed: nothing deleted"
+    );
+    let (code, out) = on_a_terminal("y\n").await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains(&format!("{consumer}: deleted 3")), "{out}");
+    assert_eq!(inbox_rows(&db, &consumer).await, 0);
 }
