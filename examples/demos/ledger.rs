@@ -10,7 +10,11 @@
 //! not a payment is dead-lettered with reason `undecodable` (Kafka: `<topic>.dlq`; AMQP:
 //! `<queue>.dlq`), never retried, never a crash. The tables are created if missing. SIGTERM or
 //! Ctrl-C stops it gracefully: intake stops, every received event is finished and acknowledged,
-//! the Kafka offsets are committed. Everything else is the framework's defaults.
+//! the Kafka offsets are committed. On Kafka, a partition the group has committed but the
+//! database has no position for (a restored dump, a fresh database) is held with an ERROR until
+//! a position is written (`--on-missing-position refuse`, the default), or started from the
+//! earliest offset (`earliest`) or from the group's offset (`adopt`). Everything else is the
+//! framework's defaults.
 //!
 //! Needs PostgreSQL and a broker (`docker compose up -d`, or `scripts/test` installs them).
 //! Every flag also reads the environment variable shown by `--help`.

@@ -255,8 +255,10 @@ impl KafkaConfig {
     }
 
     /// How long one attempt to produce a dead letter may take (the producer's
-    /// `message.timeout.ms`). The attempt is repeated while the partition stays assigned; the
-    /// original offset is stored only once a dead letter is confirmed. Default: 30 s.
+    /// `message.timeout.ms`). After a transient failure the attempt is repeated while the
+    /// partition stays assigned; the original offset is stored only once a dead letter is
+    /// confirmed, or refused for good (then the database's dead-letter row is the record).
+    /// Default: 30 s.
     pub fn dead_letter_timeout(mut self, timeout: Duration) -> Self {
         self.dead_letter_timeout = timeout;
         self

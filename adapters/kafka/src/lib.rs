@@ -33,10 +33,16 @@
 //! |---|---|
 //! | crash after the database commit, before the offset commit | the restart resumes at the database position: nothing re-applied, nothing skipped |
 //! | database restored from a backup | the restart resumes where the restored database ends: the lost messages are applied again, once |
+//! | a partition the group has committed but the database has no position for (a dump taken before it was first processed, a fresh database) | by [`KafkaConfig::on_missing_position`]: held with an ERROR until a position is written (default, [`MissingPosition::Refuse`]), or from the earliest offset, or from the group's offset; never silently skipped |
+//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`) |
 //! | rebalance (eager or cooperative-sticky) | revoked partitions stop, drain (bounded), commit, then move; the new owner starts at the database position |
 //! | offset commit fails (`REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION`, `_STATE`, broker down) | logged at info; the database position decides where the next owner starts |
 //! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
 //! | handler error: permanent, undecodable payload, attempts exhausted | dead letter on `<topic>.dlq` with `txinbox.dlq.*` headers, confirmed before the offset is stored; the partition moves on |
+//! | dead letter too large for the dead-letter topic | a copy without the payload (size and SHA-256 in headers), then without the original headers too; the partition moves on |
+//! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`metrics_names::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
+//! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`metrics_names::DEAD_LETTERS_WAITING`] and a WARN with the partition |
+//! | two consumer groups under one consumer name | the source stops with a fatal error (they would share one inbox and skip each other's messages) |
 //! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
 //!
 //! # Limits
@@ -46,6 +52,8 @@
 //!   two consumer names (and two group ids).
 //! - Loading positions at assignment retries while the database is down (fail closed); if that
 //!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
+//! - `Debug` output and client-creation errors mask secret property values
+//!   ([`txinbox::redact`]).
 
 mod config;
 mod produce;

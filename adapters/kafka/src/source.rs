@@ -96,9 +96,12 @@ impl<S: InboxStore> PositionStore for S {
 ///   and synchronously on revocation and close.
 /// - **Positions**: [`Delivery::position`] is `(topic, partition, offset + 1)`, which the runtime
 ///   stores with the effects. On assignment each partition starts at the database position when
-///   there is one, else at the group's committed offset, else at `auto.offset.reset`. That makes
-///   a crash between the database commit and the offset commit, and a database restore, resume
-///   exactly where the database's state ends.
+///   there is one. That makes a crash between the database commit and the offset commit, and a
+///   database restore, resume exactly where the database's state ends. Without one: at
+///   `auto.offset.reset` when the group has no committed offset either, else as
+///   [`KafkaConfig::on_missing_position`] says (default: hold the partition until a position is
+///   written). The consumer group is recorded with the consumer name on assignment; another
+///   group already recorded for the name stops the source.
 /// - **Rebalances** (eager and cooperative-sticky) run on the poller thread: a revocation stops
 ///   handing out the revoked partitions' messages, waits up to
 ///   [`revoke_timeout`](KafkaConfig::revoke_timeout) for their in-flight messages, stores and
@@ -108,7 +111,9 @@ impl<S: InboxStore> PositionStore for S {
 ///   unsettled messages is paused, and resumed at half of that; the poller keeps polling.
 /// - **Dead letters** go to `<topic>.dlq` (or the configured topic) with the original key,
 ///   payload and headers plus `txinbox.dlq.*` headers ([`headers`](crate::headers)); the
-///   original offset is stored only after the broker confirmed the dead letter.
+///   original offset is stored only after the broker confirmed the dead letter. Too large: a
+///   copy without the payload, then without the original headers. Refused for good: logged,
+///   counted, settled (the database's row is the record). Transient: retried while assigned.
 pub struct KafkaSource {
     shared: Arc<Shared>,
     rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,

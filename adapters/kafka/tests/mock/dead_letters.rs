@@ -172,3 +172,70 @@ async fn refused_dead_letter_topic_is_counted_and_the_partition_moves_on() {
         "nothing left waiting"
     );
 }
+
+/// A dead-letter topic that is unavailable for a while (its leader is not available): the
+/// partition waits (fail closed), visibly, and goes on once the dead letter is confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unavailable_dead_letter_topic_holds_the_partition_visibly_until_it_is_back() {
+    metrics::install();
+    let (mock, topic) = setup_topic("waiting", 1);
+    let dlq = "waiting.dlq";
+    mock.call(|d| {
+        Command::TopicError(
+            dlq.into(),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE,
+            d,
+        )
+    });
+    let db = TestDb::new().await;
+    let producer = Producer::new(&mock.bootstrap);
+    let config =
+        kafka_config(&mock.bootstrap, "g-waiting", &topic).dead_letter_timeout(Duration::from_secs(1));
+    let running = Running::start(&db, config, DepositHandler::new(1));
+    producer
+        .send(&topic, Some(0), "k", Some("ok-1"), &deposit("acct-1", 5))
+        .await;
+    producer
+        .send(&topic, Some(0), "k", Some("bad-1"), "{not json")
+        .await;
+    producer
+        .send(&topic, Some(0), "k", Some("ok-2"), &deposit("acct-1", 11))
+        .await;
+    db.wait_applied(1, Duration::from_secs(30)).await;
+    super::wait_for(
+        Duration::from_secs(20),
+        "the dead letter is reported waiting",
+        || async { metrics::gauge(metrics_names::DEAD_LETTERS_WAITING, ("topic", dlq)) == 1.0 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        db.applied().await,
+        1,
+        "the partition waits for its dead letter (fail closed)"
+    );
+    assert_eq!(db.positions(&topic).await.get(&0).copied(), Some(1));
+
+    mock.call(|d| Command::TopicError(dlq.into(), RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR, d));
+    db.wait_applied(2, Duration::from_secs(30)).await;
+    assert_eq!(
+        metrics::gauge(metrics_names::DEAD_LETTERS_WAITING, ("topic", dlq)),
+        0.0
+    );
+    let dead = tokio::task::spawn_blocking({
+        let brokers = mock.bootstrap.clone();
+        move || read_all(&brokers, dlq, 1, 1, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header(&dead[0], headers::OFFSET).as_deref(), Some("1"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.stop().await;
+    assert_eq!(db.positions(&topic).await[&0], 3);
+    assert_eq!(
+        metrics::counter(metrics_names::DEAD_LETTERS_REFUSED, ("topic", dlq)),
+        0,
+        "a transient failure is not a refusal"
+    );
+}

@@ -82,11 +82,21 @@ async fn count(db: &TestDb, sql: &'static str, part: i32) -> i64 {
 /// position (what `txinbox positions set --to-earliest` writes) releases it without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn missing_position_refuses_by_default_until_a_position_is_written() {
+    refuses_until_a_position_is_written("refuse", "range").await;
+}
+
+/// The same with incremental (cooperative-sticky) assignments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn missing_position_refuses_until_a_position_is_written_cooperative() {
+    refuses_until_a_position_is_written("refuse-coop", "cooperative-sticky").await;
+}
+
+async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
     metrics::install();
-    let (mock, topic, db, expected) = restored("refuse").await;
+    let (mock, topic, db, expected) = restored(name).await;
     let running = Running::start(
         &db,
-        kafka_config(&mock.bootstrap, "refuse", &topic),
+        kafka_config(&mock.bootstrap, name, &topic).set("partition.assignment.strategy", strategy),
         DepositHandler::new(2),
     );
     db.wait_applied(30, Duration::from_secs(30)).await;
