@@ -761,7 +761,9 @@ impl Drop for KafkaDelivery {
             let mut state = self.shared.lock();
             match state.get_mut(&self.topic, self.partition) {
                 Some(p) if p.epoch() == self.generation.epoch => p.abandon(self.offset),
-                _ => {}
+                // Revoked already: no tracker, but the later deliveries of this assignment
+                // still in the runtime must not report positions past this one.
+                _ => self.generation.abandon(self.offset),
             }
         }
         self.shared.settled.notify_all();

@@ -39,7 +39,7 @@ impl Generation {
         self.abandoned_below.load(Ordering::SeqCst) < offset
     }
 
-    fn abandon(&self, offset: i64) {
+    pub(crate) fn abandon(&self, offset: i64) {
         self.abandoned_below.fetch_min(offset, Ordering::SeqCst);
     }
 }
