@@ -92,14 +92,13 @@ struct Member {
     restart_at: Option<Instant>,
 }
 
+/// A graceful stop in progress: the ledger and its exit status (`None`: killed after the grace).
+type Stopping = JoinHandle<anyhow::Result<(Ledger, Option<std::process::ExitStatus>)>>;
+
 struct Storm {
     members: Vec<Member>,
     /// Graceful stops in progress: the member, when it was asked, and the outcome.
-    stopping: Vec<(
-        usize,
-        Instant,
-        JoinHandle<anyhow::Result<(Ledger, Option<std::process::ExitStatus>)>>,
-    )>,
+    stopping: Vec<(usize, Instant, Stopping)>,
     kills: u32,
     stops: u32,
     restarts: u32,
