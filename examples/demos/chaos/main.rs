@@ -28,20 +28,45 @@
 //! `--kafka-session-timeout-ms` (default 6000; CI uses 3000 on tansu) so that a restart after a
 //! kill waits only that long for the dead member.
 //!
+//! Two more phases, chosen with `--phases` (default `matrix`; CI runs
+//! `matrix,storm,outage`), print their figures under the summary:
+//!
+//! - `storm` ([`storm`]): a rebalance storm on Kafka. Three ledgers in one consumer group on a
+//!   topic with six partitions are SIGKILLed (70 %) or stopped with SIGTERM (which must exit 0)
+//!   one at a time, every 1 to 3.5 s for `--storm-seconds`, and restarted 0 to 2.5 s later,
+//!   while the producer publishes `--storm-events` at an even pace. Then all three run until
+//!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
+//!   events, kills, graceful stops, restarts, the assignments and revocations the members
+//!   logged, duration, lost, doubled, unacked.
+//! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
+//!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
+//!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
+//!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
+//!   never on the `--database-url` server. Besides the final check it asserts that nothing was
+//!   acknowledged during the outage: no group offset seen while the database was down is past
+//!   the database position of its partition, and every RabbitMQ event the database had not
+//!   finished still has a copy in the queues once the ledger holding them is killed. The Kafka
+//!   ledger must stay up through the outage.
+//!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
 //! and the ledger built with crash points next to this program:
 //!
 //! ```text
 //! cargo build -p txinbox-demos --features crash-points --example ledger --example chaos
 //! target/debug/examples/chaos --source all --events 2000 --time-budget 120
+//! target/debug/examples/chaos --source all --phases storm,outage --kafka-session-timeout-ms 3000
 //! ```
 //!
-//! `scripts/chaos` does both (CI runs it). Against your own setup: `--brokers` /
+//! `scripts/chaos` builds them and runs the harness, after two sabotaged runs that must fail
+//! (CI runs it). Against your own setup: `--brokers` /
 //! `KAFKA_BROKERS`, `--amqp-url` / `AMQP_URL`, `--database-url` / `DATABASE_URL` (a role that
-//! may create databases), `--events`, `--time-budget`, `--seed` to replay a run's choices.
-//! `--sabotage` runs every ledger under a new consumer name, so its inbox cannot recognise what
-//! an earlier (killed) run applied: the check must then report doubled payments and fail — a
-//! demonstration that the harness can fail.
+//! may create databases), `--events`, `--time-budget` (the matrix's; the storm and the outage
+//! take their own sizes), `--seed` to replay a run's choices. `--sabotage` proves that the
+//! checks can fail. In the matrix and the storm it runs every ledger under a new consumer
+//! name, so its inbox cannot recognise what an earlier (killed) run applied: the check must
+//! report doubled payments. In the outage every ledger acknowledges each delivery as it
+//! receives it, before its transaction (`txinbox_demos::sabotage`): the run must report
+//! acknowledgements during the outage on both brokers, and lost payments.
 
 mod brokers;
 mod events;
