@@ -193,9 +193,10 @@ struct Args {
     /// Outage: unique payment events per broker.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
     outage_events: u32,
-    /// Outage: seconds PostgreSQL stays down (more than librdkafka's 5 s auto-commit interval,
-    /// so that an offset stored without a commit would reach the group meanwhile).
-    #[arg(long, default_value_t = 8)]
+    /// Outage: seconds PostgreSQL stays down: more than librdkafka's 5 s auto-commit interval,
+    /// so that an offset stored without a commit would reach the group meanwhile, and long
+    /// enough for the group to move a killed member's partitions (tansu takes about 10 s).
+    #[arg(long, default_value_t = 15)]
     outage_seconds: u64,
     /// Outage: the directory of PostgreSQL's server programs (initdb, pg_ctl) for the private
     /// cluster the outage stops and starts. Default: the newest /usr/lib/postgresql/*/bin.
