@@ -143,6 +143,11 @@ struct Args {
     /// `group.min.session.timeout.ms` (6000 by default).
     #[arg(long, default_value_t = 6000)]
     kafka_session_timeout_ms: u32,
+    /// Extra librdkafka properties for every Kafka ledger, KEY=VALUE (repeatable), e.g.
+    /// `debug=cgrp` with `CHAOS_LEDGER_LOG=info,librdkafka=debug` to see the group protocol in
+    /// the ledgers' logs.
+    #[arg(long)]
+    ledger_kafka_property: Vec<String>,
     /// RabbitMQ URI.
     #[arg(
         long,
@@ -549,7 +554,15 @@ async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Chaos, Plan)>
     let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));
     let resources = format!("database {}, {}, logs {}", db.name, side.name(), logs.display());
     println!("   {resources}");
-    let mut launcher = Launcher::new(ledger.to_path_buf(), side.ledger_args(), logs)?;
+    let mut ledger_args = side.ledger_args();
+    if matches!(side, Side::Kafka(_)) {
+        ledger_args.extend(
+            args.ledger_kafka_property
+                .iter()
+                .map(|p| format!("--kafka-property={p}")),
+        );
+    }
+    let mut launcher = Launcher::new(ledger.to_path_buf(), ledger_args, logs)?;
     launcher.env("DATABASE_URL", &db.url);
     launcher.env("AMQP_URL", &args.amqp_url);
     let plan = events::plan(
