@@ -148,7 +148,7 @@ impl Kafka {
     }
 
     /// The offset after the last published record, for every partition (0: none published).
-    fn ends(&self) -> Vec<i64> {
+    pub fn ends(&self) -> Vec<i64> {
         let ends = self.ends.lock().unwrap();
         (0..self.partitions)
             .map(|p| ends.get(&p).copied().unwrap_or(0))

@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::events::Outgoing;
 use crate::process::{describe, tail, Ledger};
-use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, GRACE, POLL};
+use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, Side, GRACE, POLL};
 
 /// Members of the group.
 const MEMBERS: usize = 3;
@@ -29,6 +29,9 @@ const BETWEEN: std::ops::Range<u64> = 1_000..3_500;
 const RESTART_AFTER: std::ops::Range<u64> = 0..2_500;
 /// How long the members may take to drain once the churn is over.
 const DRAIN_CAP: Duration = Duration::from_secs(90);
+/// While draining, no event finished and no database position moved for this long, with all
+/// members up: the group has stalled.
+const STALL: Duration = Duration::from_secs(30);
 
 /// Runs the storm on a fresh topic and database.
 pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report> {
@@ -50,6 +53,7 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
         stops: 0,
         restarts: 0,
         started: Instant::now(),
+        stalled: false,
     };
     let outcome = storm.churn(&mut chaos, &messages, args).await;
     let outcome = match outcome {
@@ -68,7 +72,12 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     let (assigned, revoked) = count_rebalances(chaos.launcher.logs());
     let r = &chaos.report;
     let figures = format!(
-        "{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members; {:.0} s; lost {}, doubled {}, unacked {}",
+        "{}{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members; {:.0} s; lost {}, doubled {}, unacked {}",
+        if storm.stalled {
+            "the group STALLED (the events it never consumed count as lost); "
+        } else {
+            ""
+        },
         plan.expected.events.len() + plan.expected.malformed.len(),
         plan.expected.messages,
         storm.kills,
@@ -103,6 +112,8 @@ struct Storm {
     stops: u32,
     restarts: u32,
     started: Instant,
+    /// The drain found the group stalled.
+    stalled: bool,
 }
 
 impl Storm {
@@ -245,13 +256,53 @@ impl Storm {
             self.watch(chaos).await?;
             tokio::time::sleep(POLL).await;
         }
+        let (assigned_before, _) = count_rebalances(chaos.launcher.logs());
+        let mut progress = (0, Instant::now());
         let mut drained_checks = 0;
-        while drained_checks < 3 {
+        let outcome = loop {
             tokio::time::sleep(POLL * 2).await;
             self.watch(chaos).await?;
             let drained =
                 chaos.all_finished().await && chaos.side.consumed(&chaos.db.pool).await.unwrap_or(false);
             drained_checks = if drained { drained_checks + 1 } else { 0 };
+            if drained_checks >= 3 {
+                break "drained".to_string();
+            }
+            let Side::Kafka(kafka) = &chaos.side else {
+                unreachable!("the storm runs on Kafka")
+            };
+            let positions = kafka.database_positions(&chaos.db.pool).await.unwrap_or_default();
+            let moved = chaos.db.finished().await + positions.values().sum::<i64>() as u64;
+            if moved != progress.0 {
+                progress = (moved, Instant::now());
+            }
+            if progress.1.elapsed() > STALL {
+                let (assigned, _) = count_rebalances(chaos.launcher.logs());
+                let behind: Vec<String> = kafka
+                    .ends()
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(p, end)| {
+                        let at = positions.get(&(p as i32)).copied().unwrap_or(0);
+                        (at < *end).then(|| format!("{p}: {at} of {end}"))
+                    })
+                    .collect();
+                chaos.report.failures.push(format!(
+                    "storm: the group STALLED: for {STALL:?} with all {MEMBERS} members running, no event finished and no database position moved ({} of {} events finished; partitions behind, database position of end: {}); the members logged {} partition assignments since the churn ended{}; logs {}",
+                    chaos.db.finished().await,
+                    chaos.published,
+                    behind.join(", "),
+                    assigned - assigned_before,
+                    if assigned == assigned_before {
+                        " (none: no member holds a partition, the group never completed a rebalance)"
+                    } else {
+                        ""
+                    },
+                    chaos.launcher.logs().display()
+                ));
+                self.stalled = true;
+                break "STALLED".to_string();
+            }
             if since.elapsed() > DRAIN_CAP {
                 let finished = chaos.db.finished().await;
                 chaos.report.failures.push(format!(
@@ -259,10 +310,10 @@ impl Storm {
                     chaos.published,
                     chaos.launcher.logs().display()
                 ));
-                break;
+                break "NOT drained".to_string();
             }
-        }
-        chaos.line("all members until drained", "drained", since);
+        };
+        chaos.line("all members until drained", &outcome, since);
         Ok(())
     }
 
