@@ -367,8 +367,9 @@ impl Storm {
 
     /// When every running member's latest JoinGroup response names a leader that is none of
     /// them, the broker is waiting for a member that has left: nobody computes the assignment
-    /// and the group never completes a rebalance (tansu 0.6 keeps a leader that left with
-    /// LeaveGroup; Apache Kafka elects another). Says which member that was.
+    /// and the group never completes a rebalance (tansu 0.6 keeps a leader that stopped during
+    /// a rebalance, past its session timeout; Apache Kafka elects another). Says which member
+    /// that was.
     fn stale_leader(&self, chaos: &Chaos) -> Option<String> {
         let mut leaders = std::collections::BTreeSet::new();
         let mut live = std::collections::BTreeSet::new();
@@ -378,7 +379,8 @@ impl Storm {
             let line = text
                 .lines()
                 .rev()
-                .find(|l| l.contains("JoinGroup response: GenerationId"))?;
+                // The latest answer that names a leader (an error answer names none).
+                .find(|l| l.contains("JoinGroup response: GenerationId") && !l.contains("LeaderId ,"))?;
             leaders.insert(field(line, "LeaderId ")?);
             live.insert(field(line, "my MemberId ")?);
             generation = field(line, "GenerationId ")?;
@@ -395,8 +397,8 @@ impl Storm {
         {
             let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
             if text.contains(&format!("my MemberId {leader},")) {
-                let how = if text.contains("LeaveGroup response received") {
-                    "stopped with SIGTERM; it left with LeaveGroup"
+                let how = if text.contains("SIGTERM: stopping gracefully") {
+                    "stopped with SIGTERM"
                 } else {
                     "SIGKILLed"
                 };
