@@ -37,6 +37,8 @@ pub struct Kafka {
     /// Per partition, the offset after the last record published (from the delivery reports;
     /// tansu's ListOffsets answers are not reliable enough to ask the broker instead).
     ends: Mutex<BTreeMap<i32, i64>>,
+    /// The event ID of every record published, by partition and offset.
+    ids: Mutex<BTreeMap<(i32, i64), String>>,
 }
 
 impl Kafka {
@@ -78,6 +80,7 @@ impl Kafka {
             topic,
             producer,
             ends: Mutex::default(),
+            ids: Mutex::default(),
         })
     }
 
@@ -123,7 +126,7 @@ impl Kafka {
                 .map_err(|(e, _)| anyhow::anyhow!("producing to {}: {e}", self.topic))?;
             reports.push(report);
         }
-        for report in reports {
+        for (report, m) in reports.into_iter().zip(messages) {
             let delivered = report
                 .await
                 .context("the producer went away")?
@@ -131,12 +134,21 @@ impl Kafka {
             let mut ends = self.ends.lock().unwrap();
             let end = ends.entry(delivered.partition).or_insert(0);
             *end = (*end).max(delivered.offset + 1);
+            self.ids
+                .lock()
+                .unwrap()
+                .insert((delivered.partition, delivered.offset), m.id.clone());
         }
         Ok(())
     }
 
+    /// The event ID of the record at `offset` of `partition`, if this run published it.
+    pub fn id_at(&self, partition: i32, offset: i64) -> Option<String> {
+        self.ids.lock().unwrap().get(&(partition, offset)).cloned()
+    }
+
     /// The offset after the last published record, for every partition (0: none published).
-    fn ends(&self) -> Vec<i64> {
+    pub fn ends(&self) -> Vec<i64> {
         let ends = self.ends.lock().unwrap();
         (0..self.partitions)
             .map(|p| ends.get(&p).copied().unwrap_or(0))

@@ -28,20 +28,45 @@
 //! `--kafka-session-timeout-ms` (default 6000; CI uses 3000 on tansu) so that a restart after a
 //! kill waits only that long for the dead member.
 //!
+//! Two more phases, chosen with `--phases` (default `matrix`; CI runs
+//! `matrix,storm,outage`), print their figures under the summary:
+//!
+//! - `storm` ([`storm`]): a rebalance storm on Kafka. Three ledgers in one consumer group on a
+//!   topic with six partitions are SIGKILLed (70 %) or stopped with SIGTERM (which must exit 0)
+//!   one at a time, every 1 to 3.5 s for `--storm-seconds`, and restarted 0 to 2.5 s later,
+//!   while the producer publishes `--storm-events` at an even pace. Then all three run until
+//!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
+//!   events, kills, graceful stops, restarts, the assignments and revocations the members
+//!   logged, duration, lost, doubled, unacked.
+//! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
+//!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
+//!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
+//!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
+//!   never on the `--database-url` server. Besides the final check it asserts that nothing was
+//!   acknowledged during the outage: no group offset seen while the database was down is past
+//!   the database position of its partition, and every RabbitMQ event the database had not
+//!   finished still has a copy in the queues once the ledger holding them is killed. The Kafka
+//!   ledger must stay up through the outage.
+//!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
 //! and the ledger built with crash points next to this program:
 //!
 //! ```text
 //! cargo build -p txinbox-demos --features crash-points --example ledger --example chaos
 //! target/debug/examples/chaos --source all --events 2000 --time-budget 120
+//! target/debug/examples/chaos --source all --phases storm,outage --kafka-session-timeout-ms 3000
 //! ```
 //!
-//! `scripts/chaos` does both (CI runs it). Against your own setup: `--brokers` /
+//! `scripts/chaos` builds them and runs the harness, after two sabotaged runs that must fail
+//! (CI runs it). Against your own setup: `--brokers` /
 //! `KAFKA_BROKERS`, `--amqp-url` / `AMQP_URL`, `--database-url` / `DATABASE_URL` (a role that
-//! may create databases), `--events`, `--time-budget`, `--seed` to replay a run's choices.
-//! `--sabotage` runs every ledger under a new consumer name, so its inbox cannot recognise what
-//! an earlier (killed) run applied: the check must then report doubled payments and fail — a
-//! demonstration that the harness can fail.
+//! may create databases), `--events`, `--time-budget` (the matrix's; the storm and the outage
+//! take their own sizes), `--seed` to replay a run's choices. `--sabotage` proves that the
+//! checks can fail. In the matrix and the storm it runs every ledger under a new consumer
+//! name, so its inbox cannot recognise what an earlier (killed) run applied: the check must
+//! report doubled payments. In the outage every ledger acknowledges each delivery as it
+//! receives it, before its transaction (`txinbox_demos::sabotage`): the run must report
+//! acknowledgements during the outage on both brokers, and lost payments.
 
 mod brokers;
 mod events;
@@ -118,6 +143,11 @@ struct Args {
     /// `group.min.session.timeout.ms` (6000 by default).
     #[arg(long, default_value_t = 6000)]
     kafka_session_timeout_ms: u32,
+    /// Extra librdkafka properties for every Kafka ledger, KEY=VALUE (repeatable), e.g.
+    /// `debug=cgrp` with `CHAOS_LEDGER_LOG=info,librdkafka=debug` to see the group protocol in
+    /// the ledgers' logs.
+    #[arg(long)]
+    ledger_kafka_property: Vec<String>,
     /// RabbitMQ URI.
     #[arg(
         long,
@@ -168,9 +198,10 @@ struct Args {
     /// Outage: unique payment events per broker.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
     outage_events: u32,
-    /// Outage: seconds PostgreSQL stays down (more than librdkafka's 5 s auto-commit interval,
-    /// so that an offset stored without a commit would reach the group meanwhile).
-    #[arg(long, default_value_t = 8)]
+    /// Outage: seconds PostgreSQL stays down: more than librdkafka's 5 s auto-commit interval,
+    /// so that an offset stored without a commit would reach the group meanwhile, and long
+    /// enough for the group to move a killed member's partitions (tansu takes about 10 s).
+    #[arg(long, default_value_t = 15)]
     outage_seconds: u64,
     /// Outage: the directory of PostgreSQL's server programs (initdb, pg_ctl) for the private
     /// cluster the outage stops and starts. Default: the newest /usr/lib/postgresql/*/bin.
@@ -523,7 +554,15 @@ async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Chaos, Plan)>
     let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));
     let resources = format!("database {}, {}, logs {}", db.name, side.name(), logs.display());
     println!("   {resources}");
-    let mut launcher = Launcher::new(ledger.to_path_buf(), side.ledger_args(), logs)?;
+    let mut ledger_args = side.ledger_args();
+    if matches!(side, Side::Kafka(_)) {
+        ledger_args.extend(
+            args.ledger_kafka_property
+                .iter()
+                .map(|p| format!("--kafka-property={p}")),
+        );
+    }
+    let mut launcher = Launcher::new(ledger.to_path_buf(), ledger_args, logs)?;
     launcher.env("DATABASE_URL", &db.url);
     launcher.env("AMQP_URL", &args.amqp_url);
     let plan = events::plan(

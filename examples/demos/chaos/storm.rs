@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::events::Outgoing;
 use crate::process::{describe, tail, Ledger};
-use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, GRACE, POLL};
+use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, Side, GRACE, POLL};
 
 /// Members of the group.
 const MEMBERS: usize = 3;
@@ -29,6 +29,12 @@ const BETWEEN: std::ops::Range<u64> = 1_000..3_500;
 const RESTART_AFTER: std::ops::Range<u64> = 0..2_500;
 /// How long the members may take to drain once the churn is over.
 const DRAIN_CAP: Duration = Duration::from_secs(90);
+/// While draining, no event finished and no database position moved for this long, with all
+/// members up: the group has stalled; the members' group-protocol logs say why.
+const STALL: Duration = Duration::from_secs(15);
+/// How often a stall the broker caused is recovered from (by restarting the whole group)
+/// before the storm gives up.
+const MAX_RECOVERIES: u32 = 2;
 
 /// Runs the storm on a fresh topic and database.
 pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report> {
@@ -42,6 +48,9 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
         events: args.storm_events,
     };
     let (mut chaos, plan) = prepare(args, setup).await?;
+    // The group protocol in the members' logs: what a stalled group is waiting for.
+    chaos.launcher.arg("--kafka-property=debug=cgrp".into());
+    chaos.launcher.log_filter("info,librdkafka=debug");
     let messages: Vec<Outgoing> = plan.first_wave.iter().chain(&plan.second_wave).cloned().collect();
     let mut storm = Storm {
         members: (0..MEMBERS).map(|_| Member::default()).collect(),
@@ -50,10 +59,12 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
         stops: 0,
         restarts: 0,
         started: Instant::now(),
+        stalled: false,
+        broker_stalls: Vec::new(),
     };
     let outcome = storm.churn(&mut chaos, &messages, args).await;
     let outcome = match outcome {
-        Ok(()) => storm.drain(&mut chaos).await,
+        Ok(()) => storm.drain(&mut chaos, args).await,
         Err(e) => Err(e),
     };
     match outcome {
@@ -67,8 +78,22 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     storm.stop_all(&mut chaos).await;
     let (assigned, revoked) = count_rebalances(chaos.launcher.logs());
     let r = &chaos.report;
+    let stalled = if storm.stalled {
+        "the group STALLED (the events it never consumed count as lost); "
+    } else {
+        ""
+    };
+    let broker_stalls = if storm.broker_stalls.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} group stalls caused by the broker, each recovered by restarting the group ({})",
+            storm.broker_stalls.len(),
+            storm.broker_stalls.join("; ")
+        )
+    };
     let figures = format!(
-        "{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members; {:.0} s; lost {}, doubled {}, unacked {}",
+        "{stalled}{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members{broker_stalls}; {:.0} s; lost {}, doubled {}, unacked {}",
         plan.expected.events.len() + plan.expected.malformed.len(),
         plan.expected.messages,
         storm.kills,
@@ -92,18 +117,22 @@ struct Member {
     restart_at: Option<Instant>,
 }
 
+/// A graceful stop in progress: the ledger and its exit status (`None`: killed after the grace).
+type Stopping = JoinHandle<anyhow::Result<(Ledger, Option<std::process::ExitStatus>)>>;
+
 struct Storm {
     members: Vec<Member>,
     /// Graceful stops in progress: the member, when it was asked, and the outcome.
-    stopping: Vec<(
-        usize,
-        Instant,
-        JoinHandle<anyhow::Result<(Ledger, Option<std::process::ExitStatus>)>>,
-    )>,
+    stopping: Vec<(usize, Instant, Stopping)>,
     kills: u32,
     stops: u32,
     restarts: u32,
     started: Instant,
+    /// The drain found the group stalled for good.
+    stalled: bool,
+    /// Stalls caused by the broker (a departed member kept as the group's leader), each
+    /// recovered from by restarting the group.
+    broker_stalls: Vec<String>,
 }
 
 impl Storm {
@@ -234,9 +263,96 @@ impl Storm {
     }
 
     /// Brings every member up and waits until every event is finished and every partition's
-    /// database position and group offset are at its end.
-    async fn drain(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
+    /// database position and group offset are at its end. A group that stops consuming is
+    /// diagnosed from the members' group-protocol logs: when the broker keeps a departed member
+    /// as the group's leader (tansu does), the whole group is restarted, up to
+    /// [`MAX_RECOVERIES`] times; any other stall fails the run once the drain's time is up.
+    async fn drain(&mut self, chaos: &mut Chaos, args: &Args) -> anyhow::Result<()> {
         let since = Instant::now();
+        self.all_up(chaos).await?;
+        let (mut assigned_before, _) = count_rebalances(chaos.launcher.logs());
+        let mut progress = (0, Instant::now());
+        let mut deadline = Instant::now() + DRAIN_CAP;
+        let mut drained_checks = 0;
+        let outcome = loop {
+            tokio::time::sleep(POLL * 2).await;
+            self.watch(chaos).await?;
+            let drained =
+                chaos.all_finished().await && chaos.side.consumed(&chaos.db.pool).await.unwrap_or(false);
+            drained_checks = if drained { drained_checks + 1 } else { 0 };
+            if drained_checks >= 3 {
+                break "drained".to_string();
+            }
+            let Side::Kafka(kafka) = &chaos.side else {
+                unreachable!("the storm runs on Kafka")
+            };
+            let positions = kafka.database_positions(&chaos.db.pool).await.unwrap_or_default();
+            let moved = chaos.db.finished().await + positions.values().sum::<i64>() as u64;
+            if moved != progress.0 {
+                progress = (moved, Instant::now());
+            }
+            let stale_leader = if progress.1.elapsed() > STALL {
+                self.stale_leader(chaos)
+            } else {
+                None
+            };
+            if let Some(why) = &stale_leader {
+                if (self.broker_stalls.len() as u32) < MAX_RECOVERIES {
+                    let t = Instant::now();
+                    self.broker_stalls.push(why.clone());
+                    println!("   storm: the group stalled: {why}");
+                    self.stop_all(chaos).await;
+                    // Let the broker forget the stopped members before they join again.
+                    let session = Duration::from_millis(u64::from(args.kafka_session_timeout_ms));
+                    tokio::time::sleep(session + Duration::from_secs(1)).await;
+                    self.all_up(chaos).await?;
+                    chaos.line("group stalled (broker): restarted", "all members up again", t);
+                    (assigned_before, _) = count_rebalances(chaos.launcher.logs());
+                    progress = (progress.0, Instant::now());
+                    deadline = Instant::now() + DRAIN_CAP;
+                    continue;
+                }
+            }
+            if Instant::now() > deadline || stale_leader.is_some() {
+                let finished = chaos.db.finished().await;
+                let (assigned, _) = count_rebalances(chaos.launcher.logs());
+                let behind: Vec<String> = kafka
+                    .ends()
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(p, end)| {
+                        let at = positions.get(&(p as i32)).copied().unwrap_or(0);
+                        (at < *end).then(|| format!("{p}: {at} of {end}"))
+                    })
+                    .collect();
+                let diagnosis = match &stale_leader {
+                    Some(why) => format!("again after {MAX_RECOVERIES} restarts of the group: {why}"),
+                    None => format!(
+                        "the members logged {} partition assignments since the drain began; no departed leader in their group-protocol logs, so the members themselves may be stuck",
+                        assigned - assigned_before
+                    ),
+                };
+                self.stalled = progress.1.elapsed() > STALL;
+                chaos.report.failures.push(format!(
+                    "storm: not drained: {finished} of {} events finished{}; partitions behind (database position of end): {}; {diagnosis}; logs {}",
+                    chaos.published,
+                    if self.stalled {
+                        format!(", nothing moved for {:.0} s (the group STALLED)", progress.1.elapsed().as_secs_f64())
+                    } else {
+                        String::new()
+                    },
+                    behind.join(", "),
+                    chaos.launcher.logs().display()
+                ));
+                break if self.stalled { "STALLED" } else { "NOT drained" }.to_string();
+            }
+        };
+        chaos.line("all members until drained", &outcome, since);
+        Ok(())
+    }
+
+    /// Starts every member that is down (after any graceful stop in progress has ended).
+    async fn all_up(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
         while !self.stopping.is_empty() || self.members.iter().any(|m| m.ledger.is_none()) {
             for m in &mut self.members {
                 if m.ledger.is_none() {
@@ -246,25 +362,52 @@ impl Storm {
             self.watch(chaos).await?;
             tokio::time::sleep(POLL).await;
         }
-        let mut drained_checks = 0;
-        while drained_checks < 3 {
-            tokio::time::sleep(POLL * 2).await;
-            self.watch(chaos).await?;
-            let drained =
-                chaos.all_finished().await && chaos.side.consumed(&chaos.db.pool).await.unwrap_or(false);
-            drained_checks = if drained { drained_checks + 1 } else { 0 };
-            if since.elapsed() > DRAIN_CAP {
-                let finished = chaos.db.finished().await;
-                chaos.report.failures.push(format!(
-                    "storm: not drained within {DRAIN_CAP:?} of the end of the churn: {finished} of {} events finished (the rest are counted as lost below); logs {}",
-                    chaos.published,
-                    chaos.launcher.logs().display()
-                ));
-                break;
+        Ok(())
+    }
+
+    /// When every running member's latest JoinGroup response names a leader that is none of
+    /// them, the broker is waiting for a member that has left: nobody computes the assignment
+    /// and the group never completes a rebalance (tansu 0.6 keeps a leader that stopped during
+    /// a rebalance, past its session timeout; Apache Kafka elects another). Says which member
+    /// that was.
+    fn stale_leader(&self, chaos: &Chaos) -> Option<String> {
+        let mut leaders = std::collections::BTreeSet::new();
+        let mut live = std::collections::BTreeSet::new();
+        let mut generation = String::new();
+        for m in &self.members {
+            let text = std::fs::read_to_string(m.ledger.as_ref()?.log()).ok()?;
+            let line = text
+                .lines()
+                .rev()
+                // The latest answer that names a leader (an error answer names none).
+                .find(|l| l.contains("JoinGroup response: GenerationId") && !l.contains("LeaderId ,"))?;
+            leaders.insert(field(line, "LeaderId ")?);
+            live.insert(field(line, "my MemberId ")?);
+            generation = field(line, "GenerationId ")?;
+        }
+        let leader = match leaders.into_iter().collect::<Vec<_>>().as_slice() {
+            [one] if !one.is_empty() && !live.contains(one) => one.clone(),
+            _ => return None,
+        };
+        let mut holder = "a member this run did not start".to_string();
+        for entry in std::fs::read_dir(chaos.launcher.logs())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            if text.contains(&format!("my MemberId {leader},")) {
+                let how = if text.contains("SIGTERM: stopping gracefully") {
+                    "stopped with SIGTERM"
+                } else {
+                    "SIGKILLed"
+                };
+                holder = format!("{} ({how})", entry.file_name().to_string_lossy());
             }
         }
-        chaos.line("all members until drained", "drained", since);
-        Ok(())
+        Some(format!(
+            "every member's JoinGroup response (generation {generation}) names {leader} the group's leader, a member that is gone: {holder}; with no live leader nobody assigns the partitions (a tansu group-coordinator bug: Apache Kafka elects a new leader)"
+        ))
     }
 
     /// Stops every member with SIGTERM; each must exit 0.
@@ -312,6 +455,12 @@ impl Storm {
         }
         chaos.line("SIGTERM every member", &outcomes.join(", "), since);
     }
+}
+
+/// The text after `key` in a librdkafka log line, up to the next comma.
+fn field(line: &str, key: &str) -> Option<String> {
+    let rest = &line[line.find(key)? + key.len()..];
+    Some(rest.split(',').next().unwrap_or("").trim().to_owned())
 }
 
 /// Assignments and revocations the members logged (the Kafka source logs one line for each).
