@@ -1,0 +1,322 @@
+//! A payments API whose `Idempotency-Key` makes client retries safe: the key's claim, the
+//! payment, the balance update, the outbox message and the stored response commit in one
+//! PostgreSQL transaction, so a retried `POST /payments` charges once and replays its answer.
+//!
+//! Contract:
+//!
+//! - `POST /payments` with `Authorization: Bearer <tenant>`, `Idempotency-Key: <key>` (required)
+//!   and JSON `{"account": "<id>", "amount_cents": <i64>}` → `201`
+//!   `{"payment_id", "account", "amount_cents", "balance_cents"}` (the balance after this
+//!   payment); a body that is not a payment → `400`. The tenant scopes the key and the
+//!   accounts. A replay carries `Idempotent-Replayed: true`; the same key with another body is
+//!   `422`; see the txinbox-http crate docs for the whole table.
+//! - `GET /accounts/<id>` with the same `Authorization` → `200 {"account", "balance_cents"}`
+//!   (`0` for an unknown account).
+//! - Each payment writes an outbox message (topic `--topic`, key = account) in its
+//!   transaction; with `--publish-kafka BROKERS` a relay publishes them to Kafka, where a
+//!   txinbox consumer deduplicating on the `message-id` header gets each payment once.
+//! - Ctrl-C or SIGTERM stops it gracefully (in-flight requests finish).
+//!
+//! Needs PostgreSQL: `--database-url` or `DATABASE_URL` (the embedded SQLite store is not
+//! supported by txinbox-http yet, so the URL is required). Tables live in the schema
+//! `payments`, created if missing.
+//!
+//! Run with:
+//!
+//! ```text
+//! cargo run --release --example payments_api -- --listen 127.0.0.1:8080 \
+//!     --database-url postgres://postgres@127.0.0.1:5432/postgres [--publish-kafka 127.0.0.1:9092]
+//! curl -si localhost:8080/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
+//!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
+//! ```
+//!
+//! `RUST_LOG` (default `info`) controls the logs, written to stderr.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use clap::Parser;
+use serde::Deserialize;
+use serde_json::json;
+use tracing_subscriber::EnvFilter;
+use txinbox::outbox::{OutboxMessage, Relay, RelayConfig};
+use txinbox::sqlx::postgres::PgPoolOptions;
+use txinbox::sqlx::{self, Executor as _, PgPool};
+use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
+
+#[derive(Parser, Debug)]
+#[command(about = "An idempotent payments API on txinbox-http")]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// PostgreSQL URL (required: the embedded store is not supported by txinbox-http yet).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// Publish the outbox to these Kafka brokers (host:port[,host:port]).
+    #[arg(long)]
+    publish_kafka: Option<String>,
+    /// Topic (outbox destination) of the payment events.
+    #[arg(long, default_value = "payments.created")]
+    topic: String,
+    /// Database connections.
+    #[arg(long, default_value_t = 16)]
+    max_connections: u32,
+}
+
+#[derive(Clone)]
+struct App {
+    pool: PgPool,
+    topic: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Payment {
+    account: String,
+    amount_cents: i64,
+}
+
+fn tenant(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let t = v.strip_prefix("Bearer ")?.trim();
+    (!t.is_empty() && t.len() <= 128).then(|| t.to_owned())
+}
+
+fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = json!({
+        "type": format!("urn:payments-api:{code}"),
+        "title": detail,
+        "status": status.as_u16(),
+        "code": code,
+    });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn create_payment(
+    State(app): State<App>,
+    Extension(cx): Extension<IdempotencyContext>,
+    mut tx: IdempotentTx,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let p: Payment = serde_json::from_slice(&body).map_err(|e| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            &format!("the body is not a payment: {e}"),
+        )
+    })?;
+    if p.account.is_empty() || p.account.len() > 128 {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            "account must have 1 to 128 characters",
+        ));
+    }
+    let tenant = cx.principal().unwrap_or_default().to_owned();
+    // Derived from (tenant, route, key): the same on every retry of this request.
+    let payment_id = cx
+        .derive_id("payment")
+        .expect("the key is required on this route");
+    let internal = |e: sqlx::Error| {
+        tracing::error!(error = %e, "payment failed; rolled back");
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the payment failed; retry with the same key",
+        )
+    };
+    sqlx::query(
+        "INSERT INTO payments.payments (payment_id, tenant, account, amount_cents) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(&payment_id)
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut *tx)
+    .await
+    .map_err(internal)?;
+    let balance: i64 = sqlx::query_scalar(
+        "INSERT INTO payments.accounts AS a (tenant, account, balance_cents) VALUES ($1, $2, $3)
+         ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = a.balance_cents + EXCLUDED.balance_cents
+         RETURNING balance_cents",
+    )
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(internal)?;
+    let out = json!({
+        "payment_id": payment_id,
+        "account": p.account,
+        "amount_cents": p.amount_cents,
+        "balance_cents": balance,
+    });
+    let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
+    let message = OutboxMessage::new(
+        cx.derive_id("payment-created").expect("key"),
+        app.topic.clone(),
+        event.to_string(),
+    )
+    .with_key(format!("{tenant}/{}", p.account));
+    txinbox::outbox::write(&mut *tx, &message).await.map_err(|e| {
+        tracing::error!(error = %e, "outbox write failed; rolled back");
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the payment failed; retry with the same key",
+        )
+    })?;
+    Ok((
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/payments/{payment_id}")),
+        ],
+        out.to_string(),
+    )
+        .into_response())
+}
+
+async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): Path<String>) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        );
+    };
+    let balance: Result<Option<i64>, _> =
+        sqlx::query_scalar("SELECT balance_cents FROM payments.accounts WHERE tenant = $1 AND account = $2")
+            .bind(&tenant)
+            .bind(&account)
+            .fetch_optional(&app.pool)
+            .await;
+    match balance {
+        Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "balance query failed");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable",
+            )
+        }
+    }
+}
+
+/// The router, also used by the tests and the benchmark.
+fn router(pool: PgPool, topic: String) -> Router {
+    let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
+    Router::new()
+        .route("/payments", post(create_payment).layer(idempotent))
+        .route("/accounts/{id}", get(get_account))
+        .with_state(App { pool, topic })
+}
+
+async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    txinbox::migrate(pool).await?;
+    pool.execute(
+        "CREATE SCHEMA IF NOT EXISTS payments;
+         CREATE TABLE IF NOT EXISTS payments.accounts (
+             tenant text NOT NULL, account text NOT NULL, balance_cents bigint NOT NULL,
+             PRIMARY KEY (tenant, account));
+         CREATE TABLE IF NOT EXISTS payments.payments (
+             payment_id text PRIMARY KEY, tenant text NOT NULL, account text NOT NULL,
+             amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let Some(url) = args.database_url else {
+        eprintln!(
+            "payments_api needs PostgreSQL: pass --database-url or set DATABASE_URL \
+             (the embedded SQLite store is not supported by txinbox-http yet)"
+        );
+        std::process::exit(2);
+    };
+    let options = txinbox::PostgresInbox::connect_options(
+        url.parse()
+            .map_err(|_| "the PostgreSQL URL does not parse; expected postgres://user@host:port/database")?,
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(args.max_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await?;
+    setup(&pool).await?;
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let relay = match &args.publish_kafka {
+        Some(brokers) => {
+            let publisher = txinbox_kafka::KafkaPublisher::builder(brokers.clone()).build()?;
+            let relay = Relay::new(
+                pool.clone(),
+                publisher,
+                RelayConfig::default().name("payments_api"),
+            )?;
+            let mut stop = stop_rx.clone();
+            tracing::info!(brokers, topic = %args.topic, "publishing the outbox to Kafka");
+            Some(tokio::spawn(relay.run_until(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })))
+        }
+        None => {
+            tracing::info!("no --publish-kafka: payment events stay in txinbox.outbox");
+            None
+        }
+    };
+
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
+    axum::serve(listener, router(pool.clone(), args.topic))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    let _ = stop_tx.send(true);
+    if let Some(relay) = relay {
+        if let Ok(Err(e)) = relay.await {
+            tracing::error!(error = %e, "the outbox relay failed");
+        }
+    }
+    pool.close().await;
+    Ok(())
+}
