@@ -361,6 +361,9 @@ where
         }
         Err(e) => return db_problem(&e, c),
     }
+    // Crash-matrix tests (feature `crash-points`): killed with effects and response written,
+    // COMMIT not sent.
+    txinbox::crash::hit(txinbox::crash::AFTER_HANDLER);
     if let Err(e) = tx.commit().await {
         // NOTE: the outcome is unknown. The retry finds the stored response or nothing.
         tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
@@ -371,6 +374,8 @@ where
             c,
         );
     }
+    // Crash-matrix tests: killed after COMMIT, before the response leaves.
+    txinbox::crash::hit(txinbox::crash::AFTER_COMMIT);
     telemetry::stored_bytes(&route, body.as_ref().map_or(0, |b| b.len()));
     let body = match body {
         Some(b) => Body::from(b),
