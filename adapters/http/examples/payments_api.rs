@@ -68,6 +68,16 @@ struct Args {
     /// Database connections.
     #[arg(long, default_value_t = 16)]
     max_connections: u32,
+    /// Instead of serving: measure POST /payments with the layer beside the same endpoint
+    /// without it, in process (no sockets), and print a table.
+    #[arg(long)]
+    bench: bool,
+    /// `--bench`: requests per scenario.
+    #[arg(long, default_value_t = 5000)]
+    requests: usize,
+    /// `--bench`: requests in flight.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
 }
 
 #[derive(Clone)]
@@ -110,7 +120,65 @@ async fn create_payment(
     mut tx: IdempotentTx,
     body: Bytes,
 ) -> Result<Response, Response> {
-    let p: Payment = serde_json::from_slice(&body).map_err(|e| {
+    let tenant = cx.principal().unwrap_or_default().to_owned();
+    // Derived from (tenant, route, key): the same on every retry of this request.
+    let payment_id = cx
+        .derive_id("payment")
+        .expect("the key is required on this route");
+    let event_id = cx
+        .derive_id("payment-created")
+        .expect("the key is required on this route");
+    pay(&mut tx, &app.topic, &tenant, &payment_id, &event_id, &body).await
+}
+
+/// The same endpoint without the layer (for `--bench`): its own transaction, random IDs.
+async fn create_payment_plain(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let Some(tenant) = tenant(&headers) else {
+        return Err(problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        ));
+    };
+    let id = format!("{:032x}", rand_u128());
+    let mut tx = app.pool.begin().await.map_err(internal)?;
+    let res = pay(&mut tx, &app.topic, &tenant, &id, &format!("{id}-created"), &body).await?;
+    tx.commit().await.map_err(internal)?;
+    Ok(res)
+}
+
+fn rand_u128() -> u128 {
+    use std::hash::{BuildHasher, Hasher};
+    let s = std::collections::hash_map::RandomState::new();
+    let (mut a, mut b) = (s.build_hasher(), s.build_hasher());
+    a.write_u8(1);
+    b.write_u8(2);
+    (a.finish() as u128) << 64 | b.finish() as u128
+}
+
+fn internal(e: sqlx::Error) -> Response {
+    tracing::error!(error = %e, "payment failed; rolled back");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "the payment failed; retry with the same key",
+    )
+}
+
+/// The payment's effects on `conn`: payment row, balance, outbox message; the 201 response.
+async fn pay(
+    conn: &mut sqlx::PgConnection,
+    topic: &str,
+    tenant: &str,
+    payment_id: &str,
+    event_id: &str,
+    body: &[u8],
+) -> Result<Response, Response> {
+    let p: Payment = serde_json::from_slice(body).map_err(|e| {
         problem(
             StatusCode::BAD_REQUEST,
             "not-a-payment",
@@ -124,27 +192,14 @@ async fn create_payment(
             "account must have 1 to 128 characters",
         ));
     }
-    let tenant = cx.principal().unwrap_or_default().to_owned();
-    // Derived from (tenant, route, key): the same on every retry of this request.
-    let payment_id = cx
-        .derive_id("payment")
-        .expect("the key is required on this route");
-    let internal = |e: sqlx::Error| {
-        tracing::error!(error = %e, "payment failed; rolled back");
-        problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "the payment failed; retry with the same key",
-        )
-    };
     sqlx::query(
         "INSERT INTO payments.payments (payment_id, tenant, account, amount_cents) VALUES ($1, $2, $3, $4)",
     )
-    .bind(&payment_id)
-    .bind(&tenant)
+    .bind(payment_id)
+    .bind(tenant)
     .bind(&p.account)
     .bind(p.amount_cents)
-    .execute(&mut *tx)
+    .execute(&mut *conn)
     .await
     .map_err(internal)?;
     let balance: i64 = sqlx::query_scalar(
@@ -152,10 +207,10 @@ async fn create_payment(
          ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = a.balance_cents + EXCLUDED.balance_cents
          RETURNING balance_cents",
     )
-    .bind(&tenant)
+    .bind(tenant)
     .bind(&p.account)
     .bind(p.amount_cents)
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut *conn)
     .await
     .map_err(internal)?;
     let out = json!({
@@ -165,13 +220,9 @@ async fn create_payment(
         "balance_cents": balance,
     });
     let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
-    let message = OutboxMessage::new(
-        cx.derive_id("payment-created").expect("key"),
-        app.topic.clone(),
-        event.to_string(),
-    )
-    .with_key(format!("{tenant}/{}", p.account));
-    txinbox::outbox::write(&mut *tx, &message).await.map_err(|e| {
+    let message =
+        OutboxMessage::new(event_id, topic, event.to_string()).with_key(format!("{tenant}/{}", p.account));
+    txinbox::outbox::write(&mut *conn, &message).await.map_err(|e| {
         tracing::error!(error = %e, "outbox write failed; rolled back");
         problem(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -217,11 +268,14 @@ async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): 
     }
 }
 
-/// The router, also used by the tests and the benchmark.
-fn router(pool: PgPool, topic: String) -> Router {
+/// The router; `/bench/plain-payments` is the same endpoint without the layer (`--bench` only).
+fn router(pool: PgPool, topic: String, bench: bool) -> Router {
     let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
-    Router::new()
-        .route("/payments", post(create_payment).layer(idempotent))
+    let mut r = Router::new();
+    if bench {
+        r = r.route("/bench/plain-payments", post(create_payment_plain));
+    }
+    r.route("/payments", post(create_payment).layer(idempotent))
         .route("/accounts/{id}", get(get_account))
         .with_state(App { pool, topic })
 }
@@ -239,6 +293,84 @@ async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     )
     .await?;
     Ok(())
+}
+
+/// `--bench`: requests/s and latency percentiles per scenario, same process, same pool.
+async fn bench(pool: PgPool, requests: usize, concurrency: usize) {
+    use tower::ServiceExt;
+    let app = router(pool, "payments.bench".into(), true);
+    let run_id = format!("{:08x}", rand_u128() as u32);
+    println!("POST /payments in process (tower oneshot, no sockets): {requests} requests per scenario, {concurrency} in flight");
+    println!("| scenario | requests/s | p50 ms | p99 ms | statuses |");
+    println!("|---|---:|---:|---:|---|");
+    for scenario in ["without layer", "with layer, new keys", "with layer, replays"] {
+        if scenario == "with layer, replays" {
+            // The key to replay exists before timing starts.
+            let _ = app.clone().oneshot(bench_request(scenario, &run_id, 0)).await;
+        }
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let started = std::time::Instant::now();
+        let mut workers = Vec::new();
+        for _ in 0..concurrency {
+            let (app, next, run_id) = (app.clone(), next.clone(), run_id.clone());
+            workers.push(tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= requests {
+                        return (lat, statuses);
+                    }
+                    let t = std::time::Instant::now();
+                    let res = app
+                        .clone()
+                        .oneshot(bench_request(scenario, &run_id, i))
+                        .await
+                        .unwrap();
+                    *statuses.entry(res.status().as_u16()).or_default() += 1;
+                    let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+                    lat.push(t.elapsed());
+                }
+            }));
+        }
+        let mut lat = Vec::new();
+        let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+        for w in workers {
+            let (l, s) = w.await.unwrap();
+            lat.extend(l);
+            for (k, v) in s {
+                *statuses.entry(k).or_default() += v;
+            }
+        }
+        let statuses: Vec<String> = statuses.iter().map(|(k, v)| format!("{v}×{k}")).collect();
+        let elapsed = started.elapsed();
+        lat.sort();
+        let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0;
+        println!(
+            "| {scenario} | {:.0} | {:.2} | {:.2} | {} |",
+            requests as f64 / elapsed.as_secs_f64(),
+            pct(0.50),
+            pct(0.99),
+            statuses.join(", ")
+        );
+    }
+}
+
+fn bench_request(scenario: &str, run_id: &str, i: usize) -> axum::http::Request<axum::body::Body> {
+    let (path, key) = match scenario {
+        "without layer" => ("/bench/plain-payments", None),
+        "with layer, new keys" => ("/payments", Some(format!("bench-{run_id}-{i}"))),
+        _ => ("/payments", Some(format!("bench-{run_id}-replayed"))),
+    };
+    let mut b = axum::http::Request::post(path)
+        .header(header::AUTHORIZATION, "Bearer bench")
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    // 64 accounts: contention on balances like a real workload, not one hot row.
+    let body = json!({"account": format!("acct-{}", if scenario.ends_with("replays") { 0 } else { i % 64 }), "amount_cents": 100});
+    b.body(axum::body::Body::from(body.to_string())).unwrap()
 }
 
 async fn shutdown_signal() {
@@ -284,6 +416,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .connect_with(options)
         .await?;
     setup(&pool).await?;
+    if args.bench {
+        bench(pool, args.requests, args.concurrency).await;
+        return Ok(());
+    }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let relay = match &args.publish_kafka {
@@ -308,7 +444,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
-    axum::serve(listener, router(pool.clone(), args.topic))
+    axum::serve(listener, router(pool.clone(), args.topic, false))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     let _ = stop_tx.send(true);

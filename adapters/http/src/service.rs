@@ -24,7 +24,7 @@ use crate::fingerprint::fingerprint;
 use crate::key::{IdempotencyKey, IDEMPOTENT_REPLAYED};
 use crate::layer::{Config, OversizedResponse};
 use crate::problem::Problem;
-use crate::store::{self, classify, Failure, Scope};
+use crate::store::{self, classify, Claimed, Failure, Scope};
 use crate::telemetry::{self, Outcome};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -205,29 +205,29 @@ where
     let claimed = store::claim(&mut tx, &scope, &fp, c.ttl).await;
     telemetry::claim_duration(&route, started.elapsed());
     match claimed {
-        Ok(true) => {}
-        Ok(false) => {
-            // Not claimed: a committed row holds the key. A new statement, so a new snapshot
-            // that sees the row that blocked the insert.
-            let stored = store::read(&mut tx, &scope).await;
-            drop(tx); // read only: rolled back
-            return match stored {
-                Ok(Some(s)) if s.fingerprint[..] == fp[..] => (Outcome::Replayed, Ok(replay(s))),
-                Ok(Some(_)) => problem(
+        Ok(Claimed::New) => {}
+        Ok(Claimed::Existing(stored)) => {
+            // Read only: end it now, so the connection goes back to the pool clean.
+            let _ = tx.rollback().await;
+            return if stored.fingerprint[..] == fp[..] {
+                (Outcome::Replayed, Ok(replay(stored)))
+            } else {
+                problem(
                     Outcome::KeyReused,
                     Problem::KeyReused,
                     "this Idempotency-Key was already used with a different request (method, route, query or body); use a new key for a new request",
                     c,
-                ),
-                // Purged or expired between the two statements: the retry decides.
-                Ok(None) => problem(
-                    Outcome::InFlight,
-                    Problem::InFlight,
-                    "the stored response for this Idempotency-Key just expired; retry with the same key",
-                    c,
-                ),
-                Err(e) => db_problem(&e, c),
+                )
             };
+        }
+        Ok(Claimed::Unsettled) => {
+            drop(tx);
+            return problem(
+                Outcome::InFlight,
+                Problem::InFlight,
+                "the record of this Idempotency-Key changed while it was read (expired or purged); retry with the same key",
+                c,
+            );
         }
         Err(e) => return db_problem(&e, c),
     }

@@ -5,24 +5,30 @@ use std::time::Duration;
 use txinbox::sqlx::{self, postgres::PgConnection, PgPool};
 
 /// The claim: the first statement of the request's transaction and the deduplication
-/// decision. Inserts the row, or takes over an expired one; returns a row only then.
+/// decision. Returns a row only when this transaction inserted the key.
 ///
 /// NOTE: a concurrent request with the same key blocks on the primary key until the first
 /// transaction ends (bounded by `lock_timeout`); in READ COMMITTED it then sees the committed
 /// row (no row returned: replay or 422) or, after a rollback, inserts (runs the handler).
+/// `DO NOTHING`, not `DO UPDATE`: replays of a committed key take no row lock, so they do not
+/// queue behind each other.
 const CLAIM: &str = "\
-INSERT INTO txinbox.http_idempotency AS h
-    (principal, route, idempotency_key, fingerprint, expires_at)
+INSERT INTO txinbox.http_idempotency (principal, route, idempotency_key, fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
-ON CONFLICT (principal, route, idempotency_key) DO UPDATE
-    SET fingerprint = EXCLUDED.fingerprint, status = 0, header_names = '{}',
-        header_values = '{}', body = NULL, body_size = 0, created_at = now(),
-        expires_at = EXCLUDED.expires_at
-    WHERE h.expires_at <= now()
+ON CONFLICT (principal, route, idempotency_key) DO NOTHING
+RETURNING 1";
+
+/// Takes over an expired record (the key is new again). A concurrent takeover blocks on the
+/// row lock, then re-checks the expiry on the committed row and takes nothing.
+const TAKE_OVER: &str = "\
+UPDATE txinbox.http_idempotency
+SET fingerprint = $4, status = 0, header_names = '{}', header_values = '{}', body = NULL,
+    body_size = 0, created_at = now(), expires_at = now() + $5 * interval '1 millisecond'
+WHERE principal = $1 AND route = $2 AND idempotency_key = $3 AND expires_at <= now()
 RETURNING 1";
 
 const READ: &str = "\
-SELECT fingerprint, status, header_names, header_values, body
+SELECT fingerprint, status, header_names, header_values, body, expires_at <= now()
 FROM txinbox.http_idempotency
 WHERE principal = $1 AND route = $2 AND idempotency_key = $3";
 
@@ -51,40 +57,70 @@ pub(crate) struct Scope<'a> {
     pub(crate) key: &'a str,
 }
 
+/// What the claim decided.
+pub(crate) enum Claimed {
+    /// This transaction holds the key: run the handler.
+    New,
+    /// A committed, unexpired record holds it.
+    Existing(Stored),
+    /// The record kept changing under us (purged, expired and taken over); retry later.
+    Unsettled,
+}
+
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     s: &Scope<'_>,
     fingerprint: &[u8; 32],
     ttl: Duration,
-) -> Result<bool, sqlx::Error> {
-    let row: Option<i32> = sqlx::query_scalar(CLAIM)
-        .bind(s.principal)
-        .bind(s.route)
-        .bind(s.key)
-        .bind(&fingerprint[..])
-        .bind(ttl.as_millis().min(i64::MAX as u128) as f64)
-        .fetch_optional(conn)
-        .await?;
-    Ok(row.is_some())
-}
-
-pub(crate) async fn read(conn: &mut PgConnection, s: &Scope<'_>) -> Result<Option<Stored>, sqlx::Error> {
-    type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>);
-    let row: Option<Row> = sqlx::query_as(READ)
-        .bind(s.principal)
-        .bind(s.route)
-        .bind(s.key)
-        .fetch_optional(conn)
-        .await?;
-    Ok(row.map(
-        |(fingerprint, status, header_names, header_values, body)| Stored {
-            fingerprint,
-            status,
-            header_names,
-            header_values,
-            body,
-        },
-    ))
+) -> Result<Claimed, sqlx::Error> {
+    let ttl_ms = ttl.as_millis().min(i64::MAX as u128) as f64;
+    for _ in 0..3 {
+        let inserted: Option<i32> = sqlx::query_scalar(CLAIM)
+            .bind(s.principal)
+            .bind(s.route)
+            .bind(s.key)
+            .bind(&fingerprint[..])
+            .bind(ttl_ms)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if inserted.is_some() {
+            return Ok(Claimed::New);
+        }
+        // A new statement, so a new snapshot that sees the row that blocked the insert.
+        type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>, bool);
+        let row: Option<Row> = sqlx::query_as(READ)
+            .bind(s.principal)
+            .bind(s.route)
+            .bind(s.key)
+            .fetch_optional(&mut *conn)
+            .await?;
+        match row {
+            None => continue, // purged meanwhile: insert again
+            Some((fingerprint, status, header_names, header_values, body, false)) => {
+                return Ok(Claimed::Existing(Stored {
+                    fingerprint,
+                    status,
+                    header_names,
+                    header_values,
+                    body,
+                }))
+            }
+            Some((.., true)) => {
+                let taken: Option<i32> = sqlx::query_scalar(TAKE_OVER)
+                    .bind(s.principal)
+                    .bind(s.route)
+                    .bind(s.key)
+                    .bind(&fingerprint[..])
+                    .bind(ttl_ms)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                if taken.is_some() {
+                    return Ok(Claimed::New);
+                }
+            }
+        }
+    }
+    Ok(Claimed::Unsettled)
 }
 
 pub(crate) struct Response<'a> {

@@ -645,3 +645,41 @@ async fn expired_key_runs_afresh_and_is_purged() {
     assert_eq!(purge_expired(&pool, 1).await.unwrap(), 1);
     assert_eq!(records(&pool).await, 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_on_an_expired_key_take_it_over_once() {
+    let pool = db(16).await;
+    let short = app(IdempotencyLayer::new(pool.clone()).ttl(Duration::from_millis(1)));
+    assert_eq!(
+        send(&short, req("t1", Some("x"), 1).body(body(1)).unwrap())
+            .await
+            .0,
+        StatusCode::CREATED
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let long = app(IdempotencyLayer::new(pool.clone()).lock_wait(Duration::from_secs(10)));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let long = long.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = req("t1", Some("x"), 2)
+                .header("x-sleep-ms", "100")
+                .body(body(2))
+                .unwrap();
+            send(&long, r).await
+        }));
+    }
+    let mut fresh = 0;
+    for t in tasks {
+        let (s, h, _) = t.await.unwrap();
+        assert_eq!(s, StatusCode::CREATED);
+        if !h.contains_key("idempotent-replayed") {
+            fresh += 1;
+        }
+    }
+    assert_eq!(
+        fresh, 1,
+        "one request takes the expired key over, the rest replay it"
+    );
+    assert_eq!(effects(&pool).await, 2);
+}
