@@ -96,4 +96,4 @@ pub use layer::{
 };
 pub use problem::{Problem, PROBLEM_TYPE_PREFIX};
 pub use service::{Idempotency, IDEMPOTENT_REPLAYED_BODY};
-pub use store::purge_expired;
+pub use store::{purge_expired, Backend};

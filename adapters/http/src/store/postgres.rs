@@ -1,8 +1,22 @@
-//! The `txinbox.http_idempotency` table: claim, read, store, purge.
+//! PostgreSQL: the `txinbox.http_idempotency` table.
 
 use std::time::Duration;
 
-use txinbox::sqlx::{self, postgres::PgConnection, PgPool};
+use txinbox::sqlx::{self, postgres::PgConnection, PgPool, Postgres, Transaction};
+
+use super::{Claimed, Failure, Response, Scope, Stored};
+
+/// `BEGIN; SET LOCAL lock_timeout` in one round trip.
+pub(crate) async fn begin(
+    pool: &PgPool,
+    lock_wait: Duration,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+        lock_wait.as_millis().max(1)
+    );
+    pool.begin_with(sqlx::AssertSqlSafe(begin)).await
+}
 
 /// The claim: the first statement of the request's transaction and the deduplication
 /// decision. Returns a row only when this transaction inserted the key.
@@ -40,32 +54,6 @@ UPDATE txinbox.http_idempotency
 SET status = $4, header_names = $5, header_values = $6, body = $7, body_size = $8
 WHERE principal = $1 AND route = $2 AND idempotency_key = $3 AND status = 0
 RETURNING 1";
-
-/// A stored response.
-pub(crate) struct Stored {
-    pub(crate) fingerprint: Vec<u8>,
-    pub(crate) status: i16,
-    pub(crate) header_names: Vec<String>,
-    pub(crate) header_values: Vec<Vec<u8>>,
-    pub(crate) body: Option<Vec<u8>>,
-}
-
-/// The row's key.
-pub(crate) struct Scope<'a> {
-    pub(crate) principal: &'a str,
-    pub(crate) route: &'a str,
-    pub(crate) key: &'a str,
-}
-
-/// What the claim decided.
-pub(crate) enum Claimed {
-    /// This transaction holds the key: run the handler.
-    New,
-    /// A committed, unexpired record holds it.
-    Existing(Stored),
-    /// The record kept changing under us (purged, expired and taken over); retry later.
-    Unsettled,
-}
 
 pub(crate) async fn claim(
     conn: &mut PgConnection,
@@ -123,14 +111,6 @@ pub(crate) async fn claim(
     Ok(Claimed::Unsettled)
 }
 
-pub(crate) struct Response<'a> {
-    pub(crate) status: u16,
-    pub(crate) header_names: Vec<&'a str>,
-    pub(crate) header_values: Vec<&'a [u8]>,
-    pub(crate) body: Option<&'a [u8]>,
-    pub(crate) body_size: i64,
-}
-
 pub(crate) async fn store(
     conn: &mut PgConnection,
     s: &Scope<'_>,
@@ -148,19 +128,6 @@ pub(crate) async fn store(
         .fetch_optional(conn)
         .await?;
     Ok(row.is_some())
-}
-
-/// How a database error answers the client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// `lock_timeout` while waiting for the key's row: another request holds it (409).
-    LockWait,
-    /// Unreachable, overloaded, shutting down, a lost connection (503).
-    Unavailable,
-    /// The transaction was aborted by an earlier failed statement (25P02).
-    Aborted,
-    /// Anything else: a bug or a missing migration (500).
-    Fatal,
 }
 
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
@@ -199,7 +166,7 @@ pub(crate) fn classify(e: &sqlx::Error) -> Failure {
 /// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
 /// the longest time a client may retry. Safe to run while requests are served: a record being
 /// re-claimed right now is locked (skipped) and gets a new expiry.
-pub async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
+pub(crate) async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
     let mut total = 0;
     loop {
         let deleted = sqlx::query(
