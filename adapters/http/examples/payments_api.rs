@@ -1,6 +1,6 @@
 //! A payments API whose `Idempotency-Key` makes client retries safe: the key's claim, the
 //! payment, the balance update, the outbox message and the stored response commit in one
-//! PostgreSQL transaction, so a retried `POST /payments` charges once and replays its answer.
+//! database transaction, so a retried `POST /payments` charges once and replays its answer.
 //!
 //! Contract:
 //!
@@ -17,15 +17,21 @@
 //!   txinbox consumer deduplicating on the `message-id` header gets each payment once.
 //! - Ctrl-C or SIGTERM stops it gracefully (in-flight requests finish).
 //!
-//! Needs PostgreSQL: `--database-url` or `DATABASE_URL` (the embedded SQLite store is not
-//! supported by txinbox-http yet, so the URL is required). Tables live in the schema
-//! `payments`, created if missing.
+//! Store: PostgreSQL with `--database-url` or `DATABASE_URL` (tables in the schema `payments`,
+//! created if missing); without a URL, the embedded SQLite store in `--sqlite-path`
+//! (`payments_api.db`), where the same contract holds except that no outbox message is written
+//! (txinbox's outbox is PostgreSQL only) and concurrent requests queue for SQLite's one writer.
+//!
+//! `--bench` (PostgreSQL) measures `POST /payments` in process with the layer beside the same
+//! endpoint without it and prints a table instead of serving.
 //!
 //! Run with:
 //!
 //! ```text
+//! cargo run --release --example payments_api -- --listen 127.0.0.1:8080   # embedded store
 //! cargo run --release --example payments_api -- --listen 127.0.0.1:8080 \
 //!     --database-url postgres://postgres@127.0.0.1:5432/postgres [--publish-kafka 127.0.0.1:9092]
+//! cargo run --release --example payments_api -- --bench --database-url URL [--requests 5000 --concurrency 8]
 //! curl -si localhost:8080/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
 //!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
 //! ```
@@ -47,7 +53,7 @@ use serde_json::json;
 use tracing_subscriber::EnvFilter;
 use txinbox::outbox::{OutboxMessage, Relay, RelayConfig};
 use txinbox::sqlx::postgres::PgPoolOptions;
-use txinbox::sqlx::{self, Executor as _, PgPool};
+use txinbox::sqlx::{self, Executor as _, PgPool, Sqlite, SqlitePool};
 use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
 
 #[derive(Parser, Debug)]
@@ -56,9 +62,12 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// PostgreSQL URL (required: the embedded store is not supported by txinbox-http yet).
+    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used.
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
+    /// The embedded store's file (when no database URL is given).
+    #[arg(long, default_value = "payments_api.db")]
+    sqlite_path: std::path::PathBuf,
     /// Publish the outbox to these Kafka brokers (host:port[,host:port]).
     #[arg(long)]
     publish_kafka: Option<String>,
@@ -178,20 +187,7 @@ async fn pay(
     event_id: &str,
     body: &[u8],
 ) -> Result<Response, Response> {
-    let p: Payment = serde_json::from_slice(body).map_err(|e| {
-        problem(
-            StatusCode::BAD_REQUEST,
-            "not-a-payment",
-            &format!("the body is not a payment: {e}"),
-        )
-    })?;
-    if p.account.is_empty() || p.account.len() > 128 {
-        return Err(problem(
-            StatusCode::BAD_REQUEST,
-            "not-a-payment",
-            "account must have 1 to 128 characters",
-        ));
-    }
+    let p = parse_payment(body)?;
     sqlx::query(
         "INSERT INTO payments.payments (payment_id, tenant, account, amount_cents) VALUES ($1, $2, $3, $4)",
     )
@@ -213,12 +209,6 @@ async fn pay(
     .fetch_one(&mut *conn)
     .await
     .map_err(internal)?;
-    let out = json!({
-        "payment_id": payment_id,
-        "account": p.account,
-        "amount_cents": p.amount_cents,
-        "balance_cents": balance,
-    });
     let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
     let message =
         OutboxMessage::new(event_id, topic, event.to_string()).with_key(format!("{tenant}/{}", p.account));
@@ -230,15 +220,7 @@ async fn pay(
             "the payment failed; retry with the same key",
         )
     })?;
-    Ok((
-        StatusCode::CREATED,
-        [
-            (header::CONTENT_TYPE, "application/json".to_owned()),
-            (header::LOCATION, format!("/payments/{payment_id}")),
-        ],
-        out.to_string(),
-    )
-        .into_response())
+    Ok(created(payment_id, &p, balance))
 }
 
 async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): Path<String>) -> Response {
@@ -373,6 +355,146 @@ fn bench_request(scenario: &str, run_id: &str, i: usize) -> axum::http::Request<
     b.body(axum::body::Body::from(body.to_string())).unwrap()
 }
 
+/// The embedded store: the same contract on SQLite, without the outbox (PostgreSQL only).
+async fn serve_embedded(
+    listen: SocketAddr,
+    path: &std::path::Path,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    let options = txinbox::SqliteInbox::connect_options(
+        SqliteConnectOptions::new().filename(path).create_if_missing(true),
+    );
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    txinbox::migrate_sqlite(&pool).await?;
+    pool.execute(
+        "CREATE TABLE IF NOT EXISTS payments_accounts (
+             tenant TEXT NOT NULL, account TEXT NOT NULL, balance_cents INTEGER NOT NULL,
+             PRIMARY KEY (tenant, account));
+         CREATE TABLE IF NOT EXISTS payments_payments (
+             payment_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, account TEXT NOT NULL,
+             amount_cents INTEGER NOT NULL);",
+    )
+    .await?;
+    tracing::info!(path = %path.display(), "embedded SQLite store; payment events are not written (the outbox needs PostgreSQL)");
+    let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
+    let app = Router::new()
+        .route("/payments", post(create_payment_sqlite).layer(idempotent))
+        .route("/accounts/{id}", get(get_account_sqlite))
+        .with_state(pool.clone());
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    pool.close().await;
+    Ok(())
+}
+
+async fn create_payment_sqlite(
+    Extension(cx): Extension<IdempotencyContext>,
+    mut tx: IdempotentTx<Sqlite>,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let p = parse_payment(&body)?;
+    let tenant = cx.principal().unwrap_or_default().to_owned();
+    let payment_id = cx
+        .derive_id("payment")
+        .expect("the key is required on this route");
+    sqlx::query(
+        "INSERT INTO payments_payments (payment_id, tenant, account, amount_cents) VALUES (?1, ?2, ?3, ?4)",
+    )
+    .bind(&payment_id)
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut *tx)
+    .await
+    .map_err(internal)?;
+    let balance: i64 = sqlx::query_scalar(
+        "INSERT INTO payments_accounts (tenant, account, balance_cents) VALUES (?1, ?2, ?3)
+         ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = balance_cents + excluded.balance_cents
+         RETURNING balance_cents",
+    )
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(internal)?;
+    Ok(created(&payment_id, &p, balance))
+}
+
+async fn get_account_sqlite(
+    State(pool): State<SqlitePool>,
+    headers: HeaderMap,
+    Path(account): Path<String>,
+) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        );
+    };
+    let balance: Result<Option<i64>, _> =
+        sqlx::query_scalar("SELECT balance_cents FROM payments_accounts WHERE tenant = ?1 AND account = ?2")
+            .bind(&tenant)
+            .bind(&account)
+            .fetch_optional(&pool)
+            .await;
+    match balance {
+        Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "balance query failed");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable",
+            )
+        }
+    }
+}
+
+fn parse_payment(body: &[u8]) -> Result<Payment, Response> {
+    let p: Payment = serde_json::from_slice(body).map_err(|e| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            &format!("the body is not a payment: {e}"),
+        )
+    })?;
+    if p.account.is_empty() || p.account.len() > 128 {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            "account must have 1 to 128 characters",
+        ));
+    }
+    Ok(p)
+}
+
+/// The 201 response.
+fn created(payment_id: &str, p: &Payment, balance: i64) -> Response {
+    let out = json!({
+        "payment_id": payment_id,
+        "account": p.account,
+        "amount_cents": p.amount_cents,
+        "balance_cents": balance,
+    });
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/payments/{payment_id}")),
+        ],
+        out.to_string(),
+    )
+        .into_response()
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -400,11 +522,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let args = Args::parse();
     let Some(url) = args.database_url else {
-        eprintln!(
-            "payments_api needs PostgreSQL: pass --database-url or set DATABASE_URL \
-             (the embedded SQLite store is not supported by txinbox-http yet)"
-        );
-        std::process::exit(2);
+        if args.bench || args.publish_kafka.is_some() {
+            eprintln!("--bench and --publish-kafka need PostgreSQL: pass --database-url or set DATABASE_URL");
+            std::process::exit(2);
+        }
+        return serve_embedded(args.listen, &args.sqlite_path).await;
     };
     let options = txinbox::PostgresInbox::connect_options(
         url.parse()
