@@ -458,6 +458,8 @@ async fn get_account_sqlite(
     }
 }
 
+// The error is the response itself, as in the handlers that call this.
+#[allow(clippy::result_large_err)]
 fn parse_payment(body: &[u8]) -> Result<Payment, Response> {
     let p: Payment = serde_json::from_slice(body).map_err(|e| {
         problem(
