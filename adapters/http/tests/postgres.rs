@@ -446,15 +446,22 @@ async fn connection_lost_before_commit_then_retry_is_one_effect() {
     let killer = {
         let pool = pool.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            sqlx::query(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()
-                   AND state = 'idle in transaction'",
-            )
-            .execute(&pool)
-            .await
-            .unwrap();
+            // Polls until the handler sits in its transaction, then kills that backend.
+            for _ in 0..400 {
+                let killed: Vec<bool> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()
+                       AND state = 'idle in transaction'",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                if !killed.is_empty() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            panic!("the handler's transaction never showed up");
         })
     };
     let (s, h, b) = send(
@@ -496,7 +503,20 @@ async fn in_flight_duplicate_gets_409_with_retry_after_then_replay() {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The first request holds the key once its handler sits in the transaction.
+    for _ in 0..400 {
+        let holding: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+               AND pid <> pg_backend_pid() AND state = 'idle in transaction'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if holding > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (s, h, b) = send(&app, req("t1", Some("kf"), 2).body(body(2)).unwrap()).await;
     assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(h["retry-after"], "1");
