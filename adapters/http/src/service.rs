@@ -417,7 +417,8 @@ where
         req = Request::from_parts(parts, body);
         p
     };
-    let tx = match c.pool.begin().await {
+    // The same BEGIN as with a key (SQLite: IMMEDIATE, so a writer never has to upgrade).
+    let tx = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
