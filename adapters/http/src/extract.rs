@@ -8,25 +8,31 @@ use axum::extract::FromRequestParts;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use txinbox::sqlx::{postgres::PgConnection, Postgres, Transaction};
+use txinbox::sqlx::{Postgres, Transaction};
 
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
+use crate::store::Backend;
 
-pub(crate) type Tx = Transaction<'static, Postgres>;
+pub(crate) type Tx<DB> = Transaction<'static, DB>;
 
 /// The request's transaction, shared between the layer and the extractor.
-#[derive(Clone)]
-pub(crate) struct TxSlot(pub(crate) Arc<Mutex<Option<Tx>>>);
+pub(crate) struct TxSlot<DB: Backend>(pub(crate) Arc<Mutex<Option<Tx<DB>>>>);
 
-impl TxSlot {
-    pub(crate) fn new(tx: Tx) -> Self {
+impl<DB: Backend> Clone for TxSlot<DB> {
+    fn clone(&self) -> Self {
+        TxSlot(self.0.clone())
+    }
+}
+
+impl<DB: Backend> TxSlot<DB> {
+    pub(crate) fn new(tx: Tx<DB>) -> Self {
         TxSlot(Arc::new(Mutex::new(Some(tx))))
     }
 
     /// Takes the transaction back after the handler; `None` if the handler still holds it
     /// (an [`IdempotentTx`] moved into a task that outlived the handler).
-    pub(crate) fn take(&self) -> Option<Tx> {
+    pub(crate) fn take(&self) -> Option<Tx<DB>> {
         self.0.try_lock().ok().and_then(|mut g| g.take())
     }
 }
@@ -34,34 +40,36 @@ impl TxSlot {
 /// The database transaction in which the request's key was claimed: run the handler's effects
 /// (and any `txinbox::outbox::write`) on it. The layer stores the response in it and commits.
 ///
-/// Derefs to `PgConnection`: `sqlx::query(...).execute(&mut *tx)`. Do not commit or roll it
+/// Derefs to the connection (`PgConnection`, or `SqliteConnection` for
+/// `IdempotentTx<sqlx::Sqlite>` under an `IdempotencyLayer<sqlx::Sqlite>`):
+/// `sqlx::query(...).execute(&mut *tx)`. Do not commit or roll it
 /// back yourself (it is not yours to end: a 5xx response rolls it back), and do not keep it
 /// beyond the handler: the layer then cannot store the response and answers 500.
 ///
 /// Extract it at most once per request. Rejected with a 500 problem when the route has no
 /// [`IdempotencyLayer`](crate::IdempotencyLayer) or it was extracted already.
-pub struct IdempotentTx {
-    guard: OwnedMutexGuard<Option<Tx>>,
+pub struct IdempotentTx<DB: Backend = Postgres> {
+    guard: OwnedMutexGuard<Option<Tx<DB>>>,
 }
 
-impl std::fmt::Debug for IdempotentTx {
+impl<DB: Backend> std::fmt::Debug for IdempotentTx<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotentTx").finish_non_exhaustive()
     }
 }
 
-impl Deref for IdempotentTx {
-    type Target = PgConnection;
+impl<DB: Backend> Deref for IdempotentTx<DB> {
+    type Target = DB::Connection;
 
-    fn deref(&self) -> &PgConnection {
+    fn deref(&self) -> &DB::Connection {
         self.guard
             .as_deref()
             .expect("the slot holds the transaction while extracted")
     }
 }
 
-impl DerefMut for IdempotentTx {
-    fn deref_mut(&mut self) -> &mut PgConnection {
+impl<DB: Backend> DerefMut for IdempotentTx<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
         self.guard
             .as_deref_mut()
             .expect("the slot holds the transaction while extracted")
@@ -91,11 +99,11 @@ impl IntoResponse for TxRejection {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+impl<S: Send + Sync, DB: Backend> FromRequestParts<S> for IdempotentTx<DB> {
     type Rejection = TxRejection;
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let slot = parts.extensions.get::<TxSlot>().ok_or(TxRejection::NoLayer)?;
+        let slot = parts.extensions.get::<TxSlot<DB>>().ok_or(TxRejection::NoLayer)?;
         let guard = slot
             .0
             .clone()

@@ -7,9 +7,10 @@ use std::time::Duration;
 use http::header::{self, HeaderName};
 use http::request::Parts;
 use tower::Layer;
-use txinbox::sqlx::PgPool;
+use txinbox::sqlx::{Pool, Postgres};
 
 use crate::service::Idempotency;
+use crate::store::Backend;
 
 /// Default time a concurrent duplicate waits for the first request with its key (then 409).
 pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(5);
@@ -52,8 +53,8 @@ pub enum OversizedResponse {
 
 type PrincipalFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
-pub(crate) struct Config {
-    pub(crate) pool: PgPool,
+pub(crate) struct Config<DB: Backend> {
+    pub(crate) pool: Pool<DB>,
     pub(crate) required: bool,
     pub(crate) principal: Arc<PrincipalFn>,
     pub(crate) lock_wait: Duration,
@@ -69,13 +70,21 @@ pub(crate) struct Config {
 ///
 /// Apply it per route (`route_layer`, or `post(handler).layer(...)`), once with
 /// [`required`](Self::required) and once with [`optional`](Self::optional) where routes differ.
-/// Cloning is cheap (one `Arc`).
-#[derive(Clone)]
-pub struct IdempotencyLayer {
-    pub(crate) config: Arc<Config>,
+/// Cloning is cheap (one `Arc`). `DB` is `sqlx::Postgres` (default) or `sqlx::Sqlite`; see
+/// [`Backend`] for how they differ.
+pub struct IdempotencyLayer<DB: Backend = Postgres> {
+    pub(crate) config: Arc<Config<DB>>,
 }
 
-impl fmt::Debug for IdempotencyLayer {
+impl<DB: Backend> Clone for IdempotencyLayer<DB> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> fmt::Debug for IdempotencyLayer<DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let c = &self.config;
         f.debug_struct("IdempotencyLayer")
@@ -91,14 +100,14 @@ impl fmt::Debug for IdempotencyLayer {
     }
 }
 
-impl IdempotencyLayer {
-    /// A layer on `pool` (migrated with `txinbox::migrate`), with the defaults: key required,
+impl<DB: Backend> IdempotencyLayer<DB> {
+    /// A layer on `pool` (migrated with `txinbox::migrate` or `txinbox::migrate_sqlite`), with the defaults: key required,
     /// principal from the [`Principal`] extension, [`DEFAULT_LOCK_WAIT`],
     /// [`DEFAULT_RETRY_AFTER`], [`DEFAULT_TTL`], 1 MiB request and stored response limits,
     /// [`OversizedResponse::Refuse`], and the stored headers `content-type`,
     /// `content-language`, `content-location`, `location`, `etag`, `last-modified`,
     /// `cache-control`, `link`.
-    pub fn new(pool: PgPool) -> Self {
+    pub fn new(pool: Pool<DB>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
                 pool,
@@ -124,7 +133,7 @@ impl IdempotencyLayer {
         }
     }
 
-    fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
+    fn with(mut self, f: impl FnOnce(&mut Config<DB>)) -> Self {
         let c = Arc::get_mut(&mut self.config);
         match c {
             Some(c) => f(c),
@@ -171,8 +180,9 @@ impl IdempotencyLayer {
     /// How long a request waits for a concurrent request with its key (it blocks on the key's
     /// row until that one commits or rolls back) before it gets 409 with `Retry-After`.
     ///
-    /// Implemented as `SET LOCAL lock_timeout` for the request's transaction, so it also bounds
+    /// PostgreSQL: `SET LOCAL lock_timeout` for the request's transaction, so it also bounds
     /// each lock wait of the handler's own statements (a handler can `SET LOCAL` its own).
+    /// SQLite: not used; the write lock is waited for up to the pool's `busy_timeout`.
     pub fn lock_wait(self, wait: Duration) -> Self {
         self.with(|c| c.lock_wait = wait.max(Duration::from_millis(1)))
     }
@@ -213,8 +223,8 @@ impl IdempotencyLayer {
     }
 }
 
-impl<S> Layer<S> for IdempotencyLayer {
-    type Service = Idempotency<S>;
+impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
+    type Service = Idempotency<S, DB>;
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency {

@@ -1,6 +1,6 @@
 //! **txinbox-http: a request with an `Idempotency-Key` has its effects at most once and its
 //! response replayed on every retry, because the key's claim, the handler's effects (and
-//! outbox rows) and the stored response commit in one PostgreSQL transaction or not at all.**
+//! outbox rows) and the stored response commit in one database transaction or not at all.**
 //!
 //! [`IdempotencyLayer`] is a tower `Layer` for axum routes. For each request with a key it
 //! validates the key, reads the body (bounded), fingerprints the request, opens a transaction,
@@ -74,9 +74,10 @@
 //! Because the response is stored only when COMMIT succeeds and there is no "in progress"
 //! record, a crash never leaves a key stuck.
 //!
-//! The lock wait is `SET LOCAL lock_timeout` for the whole transaction, so it also bounds the
-//! handler's own lock waits. PostgreSQL only for now (the embedded SQLite store is not
-//! supported by this crate yet).
+//! On PostgreSQL the lock wait is `SET LOCAL lock_timeout` for the whole transaction, so it also
+//! bounds the handler's own lock waits. The embedded SQLite store works too
+//! (`IdempotencyLayer::<sqlx::Sqlite>::new(pool)`, `IdempotentTx<sqlx::Sqlite>`); see
+//! [`Backend`] for the differences.
 
 mod extract;
 mod fingerprint;
@@ -96,4 +97,4 @@ pub use layer::{
 };
 pub use problem::{Problem, PROBLEM_TYPE_PREFIX};
 pub use service::{Idempotency, IDEMPOTENT_REPLAYED_BODY};
-pub use store::purge_expired;
+pub use store::{purge_expired, Backend};

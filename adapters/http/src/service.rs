@@ -17,14 +17,14 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::Service;
 use tracing::Instrument;
-use txinbox::sqlx::{self, AssertSqlSafe};
+use txinbox::sqlx;
 
 use crate::extract::{IdempotencyContext, Tx, TxSlot};
 use crate::fingerprint::fingerprint;
 use crate::key::{IdempotencyKey, IDEMPOTENT_REPLAYED};
 use crate::layer::{Config, OversizedResponse};
 use crate::problem::Problem;
-use crate::store::{self, classify, Failure, Scope};
+use crate::store::{self, Backend, Claimed, Failure, Scope};
 use crate::telemetry::{self, Outcome};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -33,19 +33,27 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub const IDEMPOTENT_REPLAYED_BODY: &str = "idempotent-replayed-body";
 
 /// The middleware built by [`IdempotencyLayer`](crate::IdempotencyLayer).
-#[derive(Clone)]
-pub struct Idempotency<S> {
+pub struct Idempotency<S, DB: Backend = sqlx::Postgres> {
     pub(crate) inner: S,
-    pub(crate) config: Arc<Config>,
+    pub(crate) config: Arc<Config<DB>>,
 }
 
-impl<S> fmt::Debug for Idempotency<S> {
+impl<S: Clone, DB: Backend> Clone for Idempotency<S, DB> {
+    fn clone(&self) -> Self {
+        Idempotency {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S, DB: Backend> fmt::Debug for Idempotency<S, DB> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency").finish_non_exhaustive()
     }
 }
 
-impl<S, ResBody> Service<Request<Body>> for Idempotency<S>
+impl<S, ResBody, DB: Backend> Service<Request<Body>> for Idempotency<S, DB>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
@@ -90,13 +98,18 @@ where
 
 type Answer<E> = (Outcome, Result<Response<Body>, E>);
 
-fn problem<E>(outcome: Outcome, p: Problem, detail: impl Into<String>, c: &Config) -> Answer<E> {
+fn problem<E, DB: Backend>(
+    outcome: Outcome,
+    p: Problem,
+    detail: impl Into<String>,
+    c: &Config<DB>,
+) -> Answer<E> {
     (outcome, Ok(p.response(detail, c.retry_after)))
 }
 
 /// A database error before the handler ran.
-fn db_problem<E>(e: &sqlx::Error, c: &Config) -> Answer<E> {
-    match classify(e) {
+fn db_problem<E, DB: Backend>(e: &sqlx::Error, c: &Config<DB>) -> Answer<E> {
+    match DB::classify(e) {
         Failure::LockWait => problem(
             Outcome::InFlight,
             Problem::InFlight,
@@ -124,7 +137,12 @@ fn db_problem<E>(e: &sqlx::Error, c: &Config) -> Answer<E> {
     }
 }
 
-async fn run<S, ResBody>(c: &Config, inner: S, req: Request<Body>, route: String) -> Answer<S::Error>
+async fn run<S, ResBody, DB: Backend>(
+    c: &Config<DB>,
+    inner: S,
+    req: Request<Body>,
+    route: String,
+) -> Answer<S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -192,42 +210,38 @@ where
         key: key.as_str(),
     };
 
-    // BEGIN and the bounded lock wait in one round trip, then the claim: the decision.
+    // BEGIN (with the bounded lock wait), then the claim: the decision.
     let started = Instant::now();
-    let begin = format!(
-        "BEGIN; SET LOCAL lock_timeout = '{}ms'",
-        c.lock_wait.as_millis().max(1)
-    );
-    let mut tx: Tx = match c.pool.begin_with(AssertSqlSafe(begin)).await {
+    let mut tx: Tx<DB> = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
-    let claimed = store::claim(&mut tx, &scope, &fp, c.ttl).await;
+    let claimed = DB::claim(&mut tx, &scope, &fp, c.ttl).await;
     telemetry::claim_duration(&route, started.elapsed());
     match claimed {
-        Ok(true) => {}
-        Ok(false) => {
-            // Not claimed: a committed row holds the key. A new statement, so a new snapshot
-            // that sees the row that blocked the insert.
-            let stored = store::read(&mut tx, &scope).await;
-            drop(tx); // read only: rolled back
-            return match stored {
-                Ok(Some(s)) if s.fingerprint[..] == fp[..] => (Outcome::Replayed, Ok(replay(s))),
-                Ok(Some(_)) => problem(
+        Ok(Claimed::New) => {}
+        Ok(Claimed::Existing(stored)) => {
+            // Read only: end it now, so the connection goes back to the pool clean.
+            let _ = tx.rollback().await;
+            return if stored.fingerprint[..] == fp[..] {
+                (Outcome::Replayed, Ok(replay(stored)))
+            } else {
+                problem(
                     Outcome::KeyReused,
                     Problem::KeyReused,
                     "this Idempotency-Key was already used with a different request (method, route, query or body); use a new key for a new request",
                     c,
-                ),
-                // Purged or expired between the two statements: the retry decides.
-                Ok(None) => problem(
-                    Outcome::InFlight,
-                    Problem::InFlight,
-                    "the stored response for this Idempotency-Key just expired; retry with the same key",
-                    c,
-                ),
-                Err(e) => db_problem(&e, c),
+                )
             };
+        }
+        Ok(Claimed::Unsettled) => {
+            drop(tx);
+            return problem(
+                Outcome::InFlight,
+                Problem::InFlight,
+                "the record of this Idempotency-Key changed while it was read (expired or purged); retry with the same key",
+                c,
+            );
         }
         Err(e) => return db_problem(&e, c),
     }
@@ -325,7 +339,7 @@ where
             values.push(value.as_bytes());
         }
     }
-    let stored = store::store(
+    let stored = DB::store(
         &mut tx,
         &scope,
         &store::Response {
@@ -349,7 +363,7 @@ where
                 c,
             );
         }
-        Err(e) if classify(&e) == Failure::Aborted => {
+        Err(e) if DB::classify(&e) == Failure::Aborted => {
             drop(tx);
             tracing::error!("a statement of the handler failed and the handler went on; rolled back");
             return problem(
@@ -361,6 +375,9 @@ where
         }
         Err(e) => return db_problem(&e, c),
     }
+    // Crash-matrix tests (feature `crash-points`): killed with effects and response written,
+    // COMMIT not sent.
+    txinbox::crash::hit(txinbox::crash::AFTER_HANDLER);
     if let Err(e) = tx.commit().await {
         // NOTE: the outcome is unknown. The retry finds the stored response or nothing.
         tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
@@ -371,6 +388,8 @@ where
             c,
         );
     }
+    // Crash-matrix tests: killed after COMMIT, before the response leaves.
+    txinbox::crash::hit(txinbox::crash::AFTER_COMMIT);
     telemetry::stored_bytes(&route, body.as_ref().map_or(0, |b| b.len()));
     let body = match body {
         Some(b) => Body::from(b),
@@ -380,8 +399,8 @@ where
 }
 
 /// An optional route called without a key: a plain transaction, committed below 500.
-async fn run_without_key<S, ResBody>(
-    c: &Config,
+async fn run_without_key<S, ResBody, DB: Backend>(
+    c: &Config<DB>,
     inner: S,
     mut req: Request<Body>,
     route: String,
@@ -398,7 +417,8 @@ where
         req = Request::from_parts(parts, body);
         p
     };
-    let tx = match c.pool.begin().await {
+    // The same BEGIN as with a key (SQLite: IMMEDIATE, so a writer never has to upgrade).
+    let tx = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };

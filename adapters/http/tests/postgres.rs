@@ -446,15 +446,22 @@ async fn connection_lost_before_commit_then_retry_is_one_effect() {
     let killer = {
         let pool = pool.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            sqlx::query(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                 WHERE datname = current_database() AND pid <> pg_backend_pid()
-                   AND state = 'idle in transaction'",
-            )
-            .execute(&pool)
-            .await
-            .unwrap();
+            // Polls until the handler sits in its transaction, then kills that backend.
+            for _ in 0..400 {
+                let killed: Vec<bool> = sqlx::query_scalar(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()
+                       AND state = 'idle in transaction'",
+                )
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+                if !killed.is_empty() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            panic!("the handler's transaction never showed up");
         })
     };
     let (s, h, b) = send(
@@ -496,7 +503,20 @@ async fn in_flight_duplicate_gets_409_with_retry_after_then_replay() {
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The first request holds the key once its handler sits in the transaction.
+    for _ in 0..400 {
+        let holding: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+               AND pid <> pg_backend_pid() AND state = 'idle in transaction'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if holding > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (s, h, b) = send(&app, req("t1", Some("kf"), 2).body(body(2)).unwrap()).await;
     assert_eq!(s, StatusCode::CONFLICT);
     assert_eq!(h["retry-after"], "1");
@@ -644,4 +664,42 @@ async fn expired_key_runs_afresh_and_is_purged() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(purge_expired(&pool, 1).await.unwrap(), 1);
     assert_eq!(records(&pool).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_on_an_expired_key_take_it_over_once() {
+    let pool = db(16).await;
+    let short = app(IdempotencyLayer::new(pool.clone()).ttl(Duration::from_millis(1)));
+    assert_eq!(
+        send(&short, req("t1", Some("x"), 1).body(body(1)).unwrap())
+            .await
+            .0,
+        StatusCode::CREATED
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let long = app(IdempotencyLayer::new(pool.clone()).lock_wait(Duration::from_secs(10)));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let long = long.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = req("t1", Some("x"), 2)
+                .header("x-sleep-ms", "100")
+                .body(body(2))
+                .unwrap();
+            send(&long, r).await
+        }));
+    }
+    let mut fresh = 0;
+    for t in tasks {
+        let (s, h, _) = t.await.unwrap();
+        assert_eq!(s, StatusCode::CREATED);
+        if !h.contains_key("idempotent-replayed") {
+            fresh += 1;
+        }
+    }
+    assert_eq!(
+        fresh, 1,
+        "one request takes the expired key over, the rest replay it"
+    );
+    assert_eq!(effects(&pool).await, 2);
 }

@@ -1,28 +1,48 @@
-//! The `txinbox.http_idempotency` table: claim, read, store, purge.
+//! PostgreSQL: the `txinbox.http_idempotency` table.
 
 use std::time::Duration;
 
-use txinbox::sqlx::{self, postgres::PgConnection, PgPool};
+use txinbox::sqlx::{self, postgres::PgConnection, PgPool, Postgres, Transaction};
+
+use super::{Claimed, Failure, Response, Scope, Stored};
+
+/// `BEGIN; SET LOCAL lock_timeout` in one round trip.
+pub(crate) async fn begin(
+    pool: &PgPool,
+    lock_wait: Duration,
+) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let begin = format!(
+        "BEGIN; SET LOCAL lock_timeout = '{}ms'",
+        lock_wait.as_millis().max(1)
+    );
+    pool.begin_with(sqlx::AssertSqlSafe(begin)).await
+}
 
 /// The claim: the first statement of the request's transaction and the deduplication
-/// decision. Inserts the row, or takes over an expired one; returns a row only then.
+/// decision. Returns a row only when this transaction inserted the key.
 ///
 /// NOTE: a concurrent request with the same key blocks on the primary key until the first
 /// transaction ends (bounded by `lock_timeout`); in READ COMMITTED it then sees the committed
 /// row (no row returned: replay or 422) or, after a rollback, inserts (runs the handler).
+/// `DO NOTHING`, not `DO UPDATE`: replays of a committed key take no row lock, so they do not
+/// queue behind each other.
 const CLAIM: &str = "\
-INSERT INTO txinbox.http_idempotency AS h
-    (principal, route, idempotency_key, fingerprint, expires_at)
+INSERT INTO txinbox.http_idempotency (principal, route, idempotency_key, fingerprint, expires_at)
 VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
-ON CONFLICT (principal, route, idempotency_key) DO UPDATE
-    SET fingerprint = EXCLUDED.fingerprint, status = 0, header_names = '{}',
-        header_values = '{}', body = NULL, body_size = 0, created_at = now(),
-        expires_at = EXCLUDED.expires_at
-    WHERE h.expires_at <= now()
+ON CONFLICT (principal, route, idempotency_key) DO NOTHING
+RETURNING 1";
+
+/// Takes over an expired record (the key is new again). A concurrent takeover blocks on the
+/// row lock, then re-checks the expiry on the committed row and takes nothing.
+const TAKE_OVER: &str = "\
+UPDATE txinbox.http_idempotency
+SET fingerprint = $4, status = 0, header_names = '{}', header_values = '{}', body = NULL,
+    body_size = 0, created_at = now(), expires_at = now() + $5 * interval '1 millisecond'
+WHERE principal = $1 AND route = $2 AND idempotency_key = $3 AND expires_at <= now()
 RETURNING 1";
 
 const READ: &str = "\
-SELECT fingerprint, status, header_names, header_values, body
+SELECT fingerprint, status, header_names, header_values, body, expires_at <= now()
 FROM txinbox.http_idempotency
 WHERE principal = $1 AND route = $2 AND idempotency_key = $3";
 
@@ -35,64 +55,60 @@ SET status = $4, header_names = $5, header_values = $6, body = $7, body_size = $
 WHERE principal = $1 AND route = $2 AND idempotency_key = $3 AND status = 0
 RETURNING 1";
 
-/// A stored response.
-pub(crate) struct Stored {
-    pub(crate) fingerprint: Vec<u8>,
-    pub(crate) status: i16,
-    pub(crate) header_names: Vec<String>,
-    pub(crate) header_values: Vec<Vec<u8>>,
-    pub(crate) body: Option<Vec<u8>>,
-}
-
-/// The row's key.
-pub(crate) struct Scope<'a> {
-    pub(crate) principal: &'a str,
-    pub(crate) route: &'a str,
-    pub(crate) key: &'a str,
-}
-
 pub(crate) async fn claim(
     conn: &mut PgConnection,
     s: &Scope<'_>,
     fingerprint: &[u8; 32],
     ttl: Duration,
-) -> Result<bool, sqlx::Error> {
-    let row: Option<i32> = sqlx::query_scalar(CLAIM)
-        .bind(s.principal)
-        .bind(s.route)
-        .bind(s.key)
-        .bind(&fingerprint[..])
-        .bind(ttl.as_millis().min(i64::MAX as u128) as f64)
-        .fetch_optional(conn)
-        .await?;
-    Ok(row.is_some())
-}
-
-pub(crate) async fn read(conn: &mut PgConnection, s: &Scope<'_>) -> Result<Option<Stored>, sqlx::Error> {
-    type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>);
-    let row: Option<Row> = sqlx::query_as(READ)
-        .bind(s.principal)
-        .bind(s.route)
-        .bind(s.key)
-        .fetch_optional(conn)
-        .await?;
-    Ok(row.map(
-        |(fingerprint, status, header_names, header_values, body)| Stored {
-            fingerprint,
-            status,
-            header_names,
-            header_values,
-            body,
-        },
-    ))
-}
-
-pub(crate) struct Response<'a> {
-    pub(crate) status: u16,
-    pub(crate) header_names: Vec<&'a str>,
-    pub(crate) header_values: Vec<&'a [u8]>,
-    pub(crate) body: Option<&'a [u8]>,
-    pub(crate) body_size: i64,
+) -> Result<Claimed, sqlx::Error> {
+    let ttl_ms = ttl.as_millis().min(i64::MAX as u128) as f64;
+    for _ in 0..3 {
+        let inserted: Option<i32> = sqlx::query_scalar(CLAIM)
+            .bind(s.principal)
+            .bind(s.route)
+            .bind(s.key)
+            .bind(&fingerprint[..])
+            .bind(ttl_ms)
+            .fetch_optional(&mut *conn)
+            .await?;
+        if inserted.is_some() {
+            return Ok(Claimed::New);
+        }
+        // A new statement, so a new snapshot that sees the row that blocked the insert.
+        type Row = (Vec<u8>, i16, Vec<String>, Vec<Vec<u8>>, Option<Vec<u8>>, bool);
+        let row: Option<Row> = sqlx::query_as(READ)
+            .bind(s.principal)
+            .bind(s.route)
+            .bind(s.key)
+            .fetch_optional(&mut *conn)
+            .await?;
+        match row {
+            None => continue, // purged meanwhile: insert again
+            Some((fingerprint, status, header_names, header_values, body, false)) => {
+                return Ok(Claimed::Existing(Stored {
+                    fingerprint,
+                    status,
+                    header_names,
+                    header_values,
+                    body,
+                }))
+            }
+            Some((.., true)) => {
+                let taken: Option<i32> = sqlx::query_scalar(TAKE_OVER)
+                    .bind(s.principal)
+                    .bind(s.route)
+                    .bind(s.key)
+                    .bind(&fingerprint[..])
+                    .bind(ttl_ms)
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                if taken.is_some() {
+                    return Ok(Claimed::New);
+                }
+            }
+        }
+    }
+    Ok(Claimed::Unsettled)
 }
 
 pub(crate) async fn store(
@@ -112,19 +128,6 @@ pub(crate) async fn store(
         .fetch_optional(conn)
         .await?;
     Ok(row.is_some())
-}
-
-/// How a database error answers the client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Failure {
-    /// `lock_timeout` while waiting for the key's row: another request holds it (409).
-    LockWait,
-    /// Unreachable, overloaded, shutting down, a lost connection (503).
-    Unavailable,
-    /// The transaction was aborted by an earlier failed statement (25P02).
-    Aborted,
-    /// Anything else: a bug or a missing migration (500).
-    Fatal,
 }
 
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
@@ -163,7 +166,7 @@ pub(crate) fn classify(e: &sqlx::Error) -> Failure {
 /// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
 /// the longest time a client may retry. Safe to run while requests are served: a record being
 /// re-claimed right now is locked (skipped) and gets a new expiry.
-pub async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
+pub(crate) async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
     let mut total = 0;
     loop {
         let deleted = sqlx::query(

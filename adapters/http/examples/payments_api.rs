@@ -1,0 +1,599 @@
+//! A payments API whose `Idempotency-Key` makes client retries safe: the key's claim, the
+//! payment, the balance update, the outbox message and the stored response commit in one
+//! database transaction, so a retried `POST /payments` charges once and replays its answer.
+//!
+//! Contract:
+//!
+//! - `POST /payments` with `Authorization: Bearer <tenant>`, `Idempotency-Key: <key>` (required)
+//!   and JSON `{"account": "<id>", "amount_cents": <i64>}` → `201`
+//!   `{"payment_id", "account", "amount_cents", "balance_cents"}` (the balance after this
+//!   payment); a body that is not a payment → `400`. The tenant scopes the key and the
+//!   accounts. A replay carries `Idempotent-Replayed: true`; the same key with another body is
+//!   `422`; see the txinbox-http crate docs for the whole table.
+//! - `GET /accounts/<id>` with the same `Authorization` → `200 {"account", "balance_cents"}`
+//!   (`0` for an unknown account).
+//! - Each payment writes an outbox message (topic `--topic`, key = account) in its
+//!   transaction; with `--publish-kafka BROKERS` a relay publishes them to Kafka, where a
+//!   txinbox consumer deduplicating on the `message-id` header gets each payment once.
+//! - Ctrl-C or SIGTERM stops it gracefully (in-flight requests finish).
+//!
+//! Store: PostgreSQL with `--database-url` or `DATABASE_URL` (tables in the schema `payments`,
+//! created if missing); without a URL, the embedded SQLite store in `--sqlite-path`
+//! (`payments_api.db`), where the same contract holds except that no outbox message is written
+//! (txinbox's outbox is PostgreSQL only) and concurrent requests queue for SQLite's one writer.
+//!
+//! `--bench` (PostgreSQL) measures `POST /payments` in process with the layer beside the same
+//! endpoint without it and prints a table instead of serving.
+//!
+//! Run with:
+//!
+//! ```text
+//! cargo run --release --example payments_api -- --listen 127.0.0.1:8080   # embedded store
+//! cargo run --release --example payments_api -- --listen 127.0.0.1:8080 \
+//!     --database-url postgres://postgres@127.0.0.1:5432/postgres [--publish-kafka 127.0.0.1:9092]
+//! cargo run --release --example payments_api -- --bench --database-url URL [--requests 5000 --concurrency 8]
+//! curl -si localhost:8080/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
+//!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
+//! ```
+//!
+//! `RUST_LOG` (default `info`) controls the logs, written to stderr.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use clap::Parser;
+use serde::Deserialize;
+use serde_json::json;
+use tracing_subscriber::EnvFilter;
+use txinbox::outbox::{OutboxMessage, Relay, RelayConfig};
+use txinbox::sqlx::postgres::PgPoolOptions;
+use txinbox::sqlx::{self, Executor as _, PgPool, Sqlite, SqlitePool};
+use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
+
+#[derive(Parser, Debug)]
+#[command(about = "An idempotent payments API on txinbox-http")]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// The embedded store's file (when no database URL is given).
+    #[arg(long, default_value = "payments_api.db")]
+    sqlite_path: std::path::PathBuf,
+    /// Publish the outbox to these Kafka brokers (host:port[,host:port]).
+    #[arg(long)]
+    publish_kafka: Option<String>,
+    /// Topic (outbox destination) of the payment events.
+    #[arg(long, default_value = "payments.created")]
+    topic: String,
+    /// Database connections.
+    #[arg(long, default_value_t = 16)]
+    max_connections: u32,
+    /// Instead of serving: measure POST /payments with the layer beside the same endpoint
+    /// without it, in process (no sockets), and print a table.
+    #[arg(long)]
+    bench: bool,
+    /// `--bench`: requests per scenario.
+    #[arg(long, default_value_t = 5000)]
+    requests: usize,
+    /// `--bench`: requests in flight.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+}
+
+#[derive(Clone)]
+struct App {
+    pool: PgPool,
+    topic: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Payment {
+    account: String,
+    amount_cents: i64,
+}
+
+fn tenant(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let t = v.strip_prefix("Bearer ")?.trim();
+    (!t.is_empty() && t.len() <= 128).then(|| t.to_owned())
+}
+
+fn problem(status: StatusCode, code: &str, detail: &str) -> Response {
+    let body = json!({
+        "type": format!("urn:payments-api:{code}"),
+        "title": detail,
+        "status": status.as_u16(),
+        "code": code,
+    });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn create_payment(
+    State(app): State<App>,
+    Extension(cx): Extension<IdempotencyContext>,
+    mut tx: IdempotentTx,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let tenant = cx.principal().unwrap_or_default().to_owned();
+    // Derived from (tenant, route, key): the same on every retry of this request.
+    let payment_id = cx
+        .derive_id("payment")
+        .expect("the key is required on this route");
+    let event_id = cx
+        .derive_id("payment-created")
+        .expect("the key is required on this route");
+    pay(&mut tx, &app.topic, &tenant, &payment_id, &event_id, &body).await
+}
+
+/// The same endpoint without the layer (for `--bench`): its own transaction, random IDs.
+async fn create_payment_plain(
+    State(app): State<App>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let Some(tenant) = tenant(&headers) else {
+        return Err(problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        ));
+    };
+    let id = format!("{:032x}", rand_u128());
+    let mut tx = app.pool.begin().await.map_err(internal)?;
+    // `--bench` reference: the statements the layer adds (claim, store), as bare round trips.
+    if headers.contains_key("x-bench-round-trips") {
+        for _ in 0..2 {
+            sqlx::query("SELECT 1")
+                .execute(&mut *tx)
+                .await
+                .map_err(internal)?;
+        }
+    }
+    let res = pay(&mut tx, &app.topic, &tenant, &id, &format!("{id}-created"), &body).await?;
+    tx.commit().await.map_err(internal)?;
+    Ok(res)
+}
+
+fn rand_u128() -> u128 {
+    use std::hash::{BuildHasher, Hasher};
+    let s = std::collections::hash_map::RandomState::new();
+    let (mut a, mut b) = (s.build_hasher(), s.build_hasher());
+    a.write_u8(1);
+    b.write_u8(2);
+    (a.finish() as u128) << 64 | b.finish() as u128
+}
+
+fn internal(e: sqlx::Error) -> Response {
+    tracing::error!(error = %e, "payment failed; rolled back");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "the payment failed; retry with the same key",
+    )
+}
+
+/// The payment's effects on `conn`: payment row, balance, outbox message; the 201 response.
+async fn pay(
+    conn: &mut sqlx::PgConnection,
+    topic: &str,
+    tenant: &str,
+    payment_id: &str,
+    event_id: &str,
+    body: &[u8],
+) -> Result<Response, Response> {
+    let p = parse_payment(body)?;
+    sqlx::query(
+        "INSERT INTO payments.payments (payment_id, tenant, account, amount_cents) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(payment_id)
+    .bind(tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut *conn)
+    .await
+    .map_err(internal)?;
+    let balance: i64 = sqlx::query_scalar(
+        "INSERT INTO payments.accounts AS a (tenant, account, balance_cents) VALUES ($1, $2, $3)
+         ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = a.balance_cents + EXCLUDED.balance_cents
+         RETURNING balance_cents",
+    )
+    .bind(tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(internal)?;
+    let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
+    let message =
+        OutboxMessage::new(event_id, topic, event.to_string()).with_key(format!("{tenant}/{}", p.account));
+    txinbox::outbox::write(&mut *conn, &message).await.map_err(|e| {
+        tracing::error!(error = %e, "outbox write failed; rolled back");
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the payment failed; retry with the same key",
+        )
+    })?;
+    Ok(created(payment_id, &p, balance))
+}
+
+async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): Path<String>) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        );
+    };
+    let balance: Result<Option<i64>, _> =
+        sqlx::query_scalar("SELECT balance_cents FROM payments.accounts WHERE tenant = $1 AND account = $2")
+            .bind(&tenant)
+            .bind(&account)
+            .fetch_optional(&app.pool)
+            .await;
+    match balance {
+        Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "balance query failed");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable",
+            )
+        }
+    }
+}
+
+/// The router; `/bench/plain-payments` is the same endpoint without the layer (`--bench` only).
+fn router(pool: PgPool, topic: String, bench: bool) -> Router {
+    let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
+    let mut r = Router::new();
+    if bench {
+        r = r.route("/bench/plain-payments", post(create_payment_plain));
+    }
+    r.route("/payments", post(create_payment).layer(idempotent))
+        .route("/accounts/{id}", get(get_account))
+        .with_state(App { pool, topic })
+}
+
+async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    txinbox::migrate(pool).await?;
+    pool.execute(
+        "CREATE SCHEMA IF NOT EXISTS payments;
+         CREATE TABLE IF NOT EXISTS payments.accounts (
+             tenant text NOT NULL, account text NOT NULL, balance_cents bigint NOT NULL,
+             PRIMARY KEY (tenant, account));
+         CREATE TABLE IF NOT EXISTS payments.payments (
+             payment_id text PRIMARY KEY, tenant text NOT NULL, account text NOT NULL,
+             amount_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .await?;
+    Ok(())
+}
+
+/// `--bench`: requests/s and latency percentiles per scenario, same process, same pool.
+async fn bench(pool: PgPool, requests: usize, concurrency: usize) {
+    use tower::ServiceExt;
+    let app = router(pool, "payments.bench".into(), true);
+    let run_id = format!("{:08x}", rand_u128() as u32);
+    println!("POST /payments in process (tower oneshot, no sockets): {requests} requests per scenario, {concurrency} in flight");
+    println!("| scenario | requests/s | p50 ms | p99 ms | statuses |");
+    println!("|---|---:|---:|---:|---|");
+    for scenario in [
+        "without layer",
+        "without layer, + 2 × SELECT 1",
+        "with layer, new keys",
+        "with layer, replays",
+    ] {
+        if scenario == "with layer, replays" {
+            // The key to replay exists before timing starts.
+            let _ = app.clone().oneshot(bench_request(scenario, &run_id, 0)).await;
+        }
+        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let started = std::time::Instant::now();
+        let mut workers = Vec::new();
+        for _ in 0..concurrency {
+            let (app, next, run_id) = (app.clone(), next.clone(), run_id.clone());
+            workers.push(tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= requests {
+                        return (lat, statuses);
+                    }
+                    let t = std::time::Instant::now();
+                    let res = app
+                        .clone()
+                        .oneshot(bench_request(scenario, &run_id, i))
+                        .await
+                        .unwrap();
+                    *statuses.entry(res.status().as_u16()).or_default() += 1;
+                    let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+                    lat.push(t.elapsed());
+                }
+            }));
+        }
+        let mut lat = Vec::new();
+        let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+        for w in workers {
+            let (l, s) = w.await.unwrap();
+            lat.extend(l);
+            for (k, v) in s {
+                *statuses.entry(k).or_default() += v;
+            }
+        }
+        let statuses: Vec<String> = statuses.iter().map(|(k, v)| format!("{v}×{k}")).collect();
+        let elapsed = started.elapsed();
+        lat.sort();
+        let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0;
+        println!(
+            "| {scenario} | {:.0} | {:.2} | {:.2} | {} |",
+            requests as f64 / elapsed.as_secs_f64(),
+            pct(0.50),
+            pct(0.99),
+            statuses.join(", ")
+        );
+    }
+}
+
+fn bench_request(scenario: &str, run_id: &str, i: usize) -> axum::http::Request<axum::body::Body> {
+    let (path, key) = match scenario {
+        "without layer" | "without layer, + 2 × SELECT 1" => ("/bench/plain-payments", None),
+        "with layer, new keys" => ("/payments", Some(format!("bench-{run_id}-{i}"))),
+        _ => ("/payments", Some(format!("bench-{run_id}-replayed"))),
+    };
+    let mut b = axum::http::Request::post(path)
+        .header(header::AUTHORIZATION, "Bearer bench")
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    if scenario.contains("SELECT 1") {
+        b = b.header("x-bench-round-trips", "2");
+    }
+    // 64 accounts: contention on balances like a real workload, not one hot row.
+    let body = json!({"account": format!("acct-{}", if scenario.ends_with("replays") { 0 } else { i % 64 }), "amount_cents": 100});
+    b.body(axum::body::Body::from(body.to_string())).unwrap()
+}
+
+/// The embedded store: the same contract on SQLite, without the outbox (PostgreSQL only).
+async fn serve_embedded(
+    listen: SocketAddr,
+    path: &std::path::Path,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    let options = txinbox::SqliteInbox::connect_options(
+        SqliteConnectOptions::new().filename(path).create_if_missing(true),
+    );
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
+    txinbox::migrate_sqlite(&pool).await?;
+    pool.execute(
+        "CREATE TABLE IF NOT EXISTS payments_accounts (
+             tenant TEXT NOT NULL, account TEXT NOT NULL, balance_cents INTEGER NOT NULL,
+             PRIMARY KEY (tenant, account));
+         CREATE TABLE IF NOT EXISTS payments_payments (
+             payment_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, account TEXT NOT NULL,
+             amount_cents INTEGER NOT NULL);",
+    )
+    .await?;
+    tracing::info!(path = %path.display(), "embedded SQLite store; payment events are not written (the outbox needs PostgreSQL)");
+    let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
+    let app = Router::new()
+        .route("/payments", post(create_payment_sqlite).layer(idempotent))
+        .route("/accounts/{id}", get(get_account_sqlite))
+        .with_state(pool.clone());
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    pool.close().await;
+    Ok(())
+}
+
+async fn create_payment_sqlite(
+    Extension(cx): Extension<IdempotencyContext>,
+    mut tx: IdempotentTx<Sqlite>,
+    body: Bytes,
+) -> Result<Response, Response> {
+    let p = parse_payment(&body)?;
+    let tenant = cx.principal().unwrap_or_default().to_owned();
+    let payment_id = cx
+        .derive_id("payment")
+        .expect("the key is required on this route");
+    sqlx::query(
+        "INSERT INTO payments_payments (payment_id, tenant, account, amount_cents) VALUES (?1, ?2, ?3, ?4)",
+    )
+    .bind(&payment_id)
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .execute(&mut *tx)
+    .await
+    .map_err(internal)?;
+    let balance: i64 = sqlx::query_scalar(
+        "INSERT INTO payments_accounts (tenant, account, balance_cents) VALUES (?1, ?2, ?3)
+         ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = balance_cents + excluded.balance_cents
+         RETURNING balance_cents",
+    )
+    .bind(&tenant)
+    .bind(&p.account)
+    .bind(p.amount_cents)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(internal)?;
+    Ok(created(&payment_id, &p, balance))
+}
+
+async fn get_account_sqlite(
+    State(pool): State<SqlitePool>,
+    headers: HeaderMap,
+    Path(account): Path<String>,
+) -> Response {
+    let Some(tenant) = tenant(&headers) else {
+        return problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "send Authorization: Bearer <tenant>",
+        );
+    };
+    let balance: Result<Option<i64>, _> =
+        sqlx::query_scalar("SELECT balance_cents FROM payments_accounts WHERE tenant = ?1 AND account = ?2")
+            .bind(&tenant)
+            .bind(&account)
+            .fetch_optional(&pool)
+            .await;
+    match balance {
+        Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "balance query failed");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the database is unavailable",
+            )
+        }
+    }
+}
+
+// The error is the response itself, as in the handlers that call this.
+#[allow(clippy::result_large_err)]
+fn parse_payment(body: &[u8]) -> Result<Payment, Response> {
+    let p: Payment = serde_json::from_slice(body).map_err(|e| {
+        problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            &format!("the body is not a payment: {e}"),
+        )
+    })?;
+    if p.account.is_empty() || p.account.len() > 128 {
+        return Err(problem(
+            StatusCode::BAD_REQUEST,
+            "not-a-payment",
+            "account must have 1 to 128 characters",
+        ));
+    }
+    Ok(p)
+}
+
+/// The 201 response.
+fn created(payment_id: &str, p: &Payment, balance: i64) -> Response {
+    let out = json!({
+        "payment_id": payment_id,
+        "account": p.account,
+        "amount_cents": p.amount_cents,
+        "balance_cents": balance,
+    });
+    (
+        StatusCode::CREATED,
+        [
+            (header::CONTENT_TYPE, "application/json".to_owned()),
+            (header::LOCATION, format!("/payments/{payment_id}")),
+        ],
+        out.to_string(),
+    )
+        .into_response()
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let Some(url) = args.database_url else {
+        if args.bench || args.publish_kafka.is_some() {
+            eprintln!("--bench and --publish-kafka need PostgreSQL: pass --database-url or set DATABASE_URL");
+            std::process::exit(2);
+        }
+        return serve_embedded(args.listen, &args.sqlite_path).await;
+    };
+    let options = txinbox::PostgresInbox::connect_options(
+        url.parse()
+            .map_err(|_| "the PostgreSQL URL does not parse; expected postgres://user@host:port/database")?,
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(args.max_connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await?;
+    setup(&pool).await?;
+    if args.bench {
+        bench(pool, args.requests, args.concurrency).await;
+        return Ok(());
+    }
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let relay = match &args.publish_kafka {
+        Some(brokers) => {
+            let publisher = txinbox_kafka::KafkaPublisher::builder(brokers.clone()).build()?;
+            let relay = Relay::new(
+                pool.clone(),
+                publisher,
+                RelayConfig::default().name("payments_api"),
+            )?;
+            let mut stop = stop_rx.clone();
+            tracing::info!(brokers, topic = %args.topic, "publishing the outbox to Kafka");
+            Some(tokio::spawn(relay.run_until(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })))
+        }
+        None => {
+            tracing::info!("no --publish-kafka: payment events stay in txinbox.outbox");
+            None
+        }
+    };
+
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
+    axum::serve(listener, router(pool.clone(), args.topic, false))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    let _ = stop_tx.send(true);
+    if let Some(relay) = relay {
+        if let Ok(Err(e)) = relay.await {
+            tracing::error!(error = %e, "the outbox relay failed");
+        }
+    }
+    pool.close().await;
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! Where idempotency records live: [`Backend`], implemented for PostgreSQL
+//! (`txinbox.http_idempotency`) and SQLite (`txinbox_http_idempotency`).
+
+use std::future::Future;
+use std::time::Duration;
+
+use txinbox::sqlx::{self, Pool, Postgres, Sqlite, Transaction};
+
+pub(crate) mod postgres;
+pub(crate) mod sqlite;
+
+/// A stored response.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Stored {
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) status: i16,
+    pub(crate) header_names: Vec<String>,
+    pub(crate) header_values: Vec<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
+}
+
+/// The record's key.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Scope<'a> {
+    pub(crate) principal: &'a str,
+    pub(crate) route: &'a str,
+    pub(crate) key: &'a str,
+}
+
+/// What the claim decided.
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum Claimed {
+    /// This transaction holds the key: run the handler.
+    New,
+    /// A committed, unexpired record holds it.
+    Existing(Stored),
+    /// The record kept changing under us (purged, expired and taken over); retry later.
+    Unsettled,
+}
+
+/// A response to store.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Response<'a> {
+    pub(crate) status: u16,
+    pub(crate) header_names: Vec<&'a str>,
+    pub(crate) header_values: Vec<&'a [u8]>,
+    pub(crate) body: Option<&'a [u8]>,
+    pub(crate) body_size: i64,
+}
+
+/// How a database error answers the client.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Waited longer than the lock wait for the key's row: another request holds it (409).
+    LockWait,
+    /// Unreachable, overloaded, shutting down, a lost connection, SQLite busy (503).
+    Unavailable,
+    /// The transaction was aborted by an earlier failed statement (PostgreSQL 25P02).
+    Aborted,
+    /// Anything else: a bug or a missing migration (500).
+    Fatal,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Postgres {}
+    impl Sealed for super::Sqlite {}
+}
+
+/// A database that can hold idempotency records: `sqlx::Postgres` or `sqlx::Sqlite`
+/// (sealed). Run `txinbox::migrate` / `txinbox::migrate_sqlite` first.
+///
+/// | | PostgreSQL | SQLite |
+/// |---|---|---|
+/// | transaction | `BEGIN; SET LOCAL lock_timeout = <lock_wait>` | `BEGIN IMMEDIATE`: one writer at a time |
+/// | concurrent duplicate | blocks on the key's row up to the lock wait, then replays or 409 | waits for the write lock (the pool's `busy_timeout`), then replays; 503 after the busy timeout |
+/// | handler ignores a failed statement | the transaction is aborted: 500, nothing committed | SQLite does not abort the transaction: what succeeded commits |
+pub trait Backend: sqlx::Database + sealed::Sealed {
+    #[doc(hidden)]
+    fn begin(
+        pool: &Pool<Self>,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn claim<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        fingerprint: &'a [u8; 32],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a;
+
+    #[doc(hidden)]
+    fn store<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        response: &'a Response<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    #[doc(hidden)]
+    fn classify(e: &sqlx::Error) -> Failure;
+
+    #[doc(hidden)]
+    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+}
+
+impl Backend for Postgres {
+    fn begin(
+        pool: &Pool<Self>,
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        postgres::begin(pool, lock_wait)
+    }
+
+    fn claim<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        fingerprint: &'a [u8; 32],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a {
+        postgres::claim(conn, scope, fingerprint, ttl)
+    }
+
+    fn store<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        response: &'a Response<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        postgres::store(conn, scope, response)
+    }
+
+    fn classify(e: &sqlx::Error) -> Failure {
+        postgres::classify(e)
+    }
+
+    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
+        postgres::purge_expired(pool, batch)
+    }
+}
+
+impl Backend for Sqlite {
+    fn begin(
+        pool: &Pool<Self>,
+        _lock_wait: Duration,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send {
+        sqlite::begin(pool)
+    }
+
+    fn claim<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        fingerprint: &'a [u8; 32],
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a {
+        sqlite::claim(conn, scope, fingerprint, ttl)
+    }
+
+    fn store<'a>(
+        conn: &'a mut Self::Connection,
+        scope: &'a Scope<'a>,
+        response: &'a Response<'a>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        sqlite::store(conn, scope, response)
+    }
+
+    fn classify(e: &sqlx::Error) -> Failure {
+        sqlite::classify(e)
+    }
+
+    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
+        sqlite::purge_expired(pool, batch)
+    }
+}
+
+/// Deletes expired idempotency records, `batch` rows per statement, until none is left;
+/// returns how many were deleted.
+///
+/// After expiry a key is new again: a retry with it runs the handler. So the TTL
+/// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
+/// the longest time a client may retry. Safe to run while requests are served: a record being
+/// taken over right now is skipped (PostgreSQL: locked; both: re-checked on delete).
+pub async fn purge_expired<DB: Backend>(pool: &Pool<DB>, batch: i64) -> Result<u64, sqlx::Error> {
+    DB::purge_expired(pool, batch).await
+}

@@ -1,0 +1,213 @@
+//! The `payments_api` example as a process, over real sockets: the contract of issue 16 (first
+//! call, replay, mismatch, missing key, not a payment, balances per tenant) on the embedded
+//! store and on PostgreSQL, and a graceful stop on SIGTERM.
+//!
+//! Uses the example binary `cargo test` builds beside this test (`target/<profile>/examples/`);
+//! skipped with a message if it is not there. PostgreSQL at `DATABASE_URL` for the second run.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn binary() -> Option<PathBuf> {
+    // target/<profile>/deps/payments_api-<hash> → target/<profile>/examples/payments_api
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join("payments_api");
+    path.exists().then_some(path)
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Server {
+    fn start(args: &[&str], database_url: Option<&str>) -> Option<Server> {
+        let Some(bin) = binary() else {
+            eprintln!("skipped: the payments_api example binary is not built next to this test");
+            return None;
+        };
+        let addr = free_port();
+        let mut cmd = Command::new(bin);
+        cmd.arg("--listen").arg(addr.to_string()).args(args);
+        cmd.env_remove("DATABASE_URL").env("RUST_LOG", "warn");
+        if let Some(url) = database_url {
+            cmd.env("DATABASE_URL", url);
+        }
+        let child = cmd.stdout(Stdio::null()).spawn().unwrap();
+        let started = Instant::now();
+        while TcpStream::connect(addr).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "payments_api did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Server { child, addr })
+    }
+
+    /// One HTTP/1.1 request; `(status, headers lowercased, body)`.
+    fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String, String) {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_lowercase(), body.to_owned())
+    }
+
+    fn stop(mut self) {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "graceful stop on SIGTERM: {status}");
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "payments_api did not stop"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn contract(s: &Server) {
+    let auth = ("Authorization", "Bearer acme");
+    let json = ("Content-Type", "application/json");
+    let pay = |key: Option<&str>, body: &str| {
+        let mut h = vec![auth, json];
+        if let Some(k) = key {
+            h.push(("Idempotency-Key", k));
+        }
+        s.call("POST", "/payments", &h, body)
+    };
+    let (st, head, first) = pay(Some("k1"), r#"{"account":"a1","amount_cents":500}"#);
+    assert_eq!(st, 201, "{first}");
+    assert!(!head.contains("idempotent-replayed"));
+    let v: serde_json::Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(
+        (
+            v["account"].as_str(),
+            v["amount_cents"].as_i64(),
+            v["balance_cents"].as_i64()
+        ),
+        (Some("a1"), Some(500), Some(500))
+    );
+    assert!(v["payment_id"].as_str().is_some_and(|id| !id.is_empty()));
+    // Retry, quoted form of the same key: replayed, same body.
+    let (st, head, again) = pay(Some("\"k1\""), r#"{"account":"a1","amount_cents":500}"#);
+    assert_eq!((st, again.as_str()), (201, first.as_str()));
+    assert!(head.contains("idempotent-replayed: true"));
+    // Same key, other body.
+    let (st, head, body) = pay(Some("k1"), r#"{"account":"a1","amount_cents":700}"#);
+    assert_eq!(st, 422);
+    assert!(head.contains("application/problem+json") && body.contains("idempotency-key-reused"));
+    // No key.
+    assert_eq!(pay(None, r#"{"account":"a1","amount_cents":700}"#).0, 400);
+    // Not a payment.
+    assert_eq!(pay(Some("k2"), r#"{"amount":1}"#).0, 400);
+    // A second payment adds up.
+    let (st, _, body) = pay(Some("k3"), r#"{"account":"a1","amount_cents":250}"#);
+    assert_eq!(st, 201);
+    assert!(body.contains(r#""balance_cents":750"#), "{body}");
+    // Balances, per tenant.
+    let (st, _, body) = s.call("GET", "/accounts/a1", &[auth], "");
+    assert_eq!(st, 200);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["balance_cents"],
+        750
+    );
+    let (_, _, body) = s.call("GET", "/accounts/a1", &[("Authorization", "Bearer other")], "");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["balance_cents"],
+        0
+    );
+    // The same key under another tenant is another payment.
+    let (st, head, _) = s.call(
+        "POST",
+        "/payments",
+        &[("Authorization", "Bearer other"), json, ("Idempotency-Key", "k1")],
+        r#"{"account":"a1","amount_cents":500}"#,
+    );
+    assert_eq!(st, 201);
+    assert!(!head.contains("idempotent-replayed"));
+}
+
+#[test]
+fn payments_api_on_the_embedded_store() {
+    let path = std::env::temp_dir().join(format!("txinbox_http_payments_{}.db", std::process::id()));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    let Some(server) = Server::start(&["--sqlite-path", path.to_str().unwrap()], None) else {
+        return;
+    };
+    contract(&server);
+    server.stop();
+}
+
+#[test]
+fn payments_api_on_postgres() {
+    let admin = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let name = format!("txinbox_http_payments_{}", std::process::id());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        use sqlx::{ConnectOptions, Executor};
+        let opts: sqlx::postgres::PgConnectOptions = admin.parse().unwrap();
+        let mut c = opts.connect().await.expect("PostgreSQL at DATABASE_URL");
+        c.execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        )))
+        .await
+        .unwrap();
+        c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+    });
+    let url = {
+        let (base, _) = admin.rsplit_once('/').unwrap();
+        format!("{base}/{name}")
+    };
+    let Some(server) = Server::start(&[], Some(&url)) else {
+        return;
+    };
+    contract(&server);
+    server.stop();
+    // One outbox message per payment (3), none for the replay, the 422 or the 400s.
+    let outbox: i64 = rt.block_on(async {
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM txinbox.outbox")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    });
+    assert_eq!(outbox, 3);
+}
