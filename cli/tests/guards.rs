@@ -395,3 +395,60 @@ async fn purge_asks_on_a_terminal_and_deletes_only_on_yes() {
     assert!(out.contains(&format!("{consumer}: deleted 3")), "{out}");
     assert_eq!(inbox_rows(&db, &consumer).await, 0);
 }
+
+/// A dead letter whose stored copy was cut (over `dead_letter_payload_limit`) says so in `show`
+/// and is never requeued: the copy would be a different message. The original is in the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_stored_cut_is_shown_as_such_and_never_requeued() {
+    let db = TestDb::new().await;
+    let consumer = consumer_name();
+    db.exec(&format!(
+        "INSERT INTO txinbox.dead_letters (consumer, message_id, id_strategy, reason, error, attempts,
+             payload, headers, source_system, destination, source_partition, source_offset,
+             payload_size, payload_sha256, truncated)
+         VALUES ('{consumer}', 'big-1', 'header:x-id', 'too_large', 'message is 200000 bytes', 0,
+             '\\x7b2261', '[]', 'kafka', 'payments', 0, 41, 200000, sha256('whole'), true)"
+    ))
+    .await;
+    let id: i64 = db
+        .scalar(&format!(
+            "SELECT id FROM txinbox.dead_letters WHERE consumer = '{consumer}'"
+        ))
+        .await;
+    let show = txinbox(
+        &db.url,
+        None,
+        &["--json", "dead-letters", "show", &id.to_string()],
+    )
+    .await
+    .ok();
+    assert_eq!(show["truncated"], true, "{show:#}");
+    assert_eq!(show["payload_size"], 200000, "{show:#}");
+    assert_eq!(
+        show["payload_sha256"].as_str().map(str::len),
+        Some(64),
+        "{show:#}"
+    );
+    for args in [
+        vec!["dead-letters", "requeue"],
+        vec!["dead-letters", "requeue", "--force"],
+    ] {
+        let mut args = args;
+        let id = id.to_string();
+        args.push(&id);
+        let refused = txinbox(&db.url, Some("127.0.0.1:9"), &args).await;
+        assert_eq!(refused.code, 1, "{args:?}: {refused:?}");
+        assert!(
+            refused.stderr.contains("stored cut"),
+            "{args:?}: says why: {refused:?}"
+        );
+    }
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT requeue_count::bigint FROM txinbox.dead_letters WHERE id = {id}"
+        ))
+        .await,
+        0,
+        "nothing was requeued"
+    );
+}
