@@ -940,15 +940,6 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "non-string panic payload".into())
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn panic_messages_are_extracted() {
-        let p = std::panic::catch_unwind(|| panic!("boom {}", 1)).unwrap_err();
-        assert_eq!(super::panic_message(&*p), "boom 1");
-    }
-}
-
 /// Holds one unit of a gauge while alive.
 struct GaugeGuard<'a>(&'a metrics::Gauge);
 
@@ -962,5 +953,14 @@ impl<'a> GaugeGuard<'a> {
 impl Drop for GaugeGuard<'_> {
     fn drop(&mut self) {
         self.0.decrement(1.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn panic_messages_are_extracted() {
+        let p = std::panic::catch_unwind(|| panic!("boom {}", 1)).unwrap_err();
+        assert_eq!(super::panic_message(&*p), "boom 1");
     }
 }
