@@ -22,6 +22,10 @@ pub const MASK: &str = "***";
 /// assert_eq!(redact::url("amqp://u:pa/ss@h/v"), "amqp://u:***@h/v");
 /// assert_eq!(redact::url("postgres://app@db/x?password=hunter2&sslmode=require"),
 ///            "postgres://app@db/x?password=***&sslmode=require");
+/// // An unencoded '&' or '#' inside the password: its pieces go too.
+/// assert_eq!(redact::url("postgres://db/x?password=a&b&sslmode=require"),
+///            "postgres://db/x?password=***&sslmode=require");
+/// assert_eq!(redact::url("postgres://db/x?password=a#b"), "postgres://db/x?password=***");
 /// ```
 pub fn url(uri: &str) -> String {
     let Some(scheme_end) = uri.find("://") else {
@@ -76,13 +80,30 @@ fn query_without_secrets(query: &str) -> String {
         Some(h) => params.split_at(h),
         None => (params, ""),
     };
+    // An unencoded '&' or '#' in a secret's value splits it: a piece without '=' after a
+    // secret, and the fragment after one, may be the rest of it, so they are masked too.
+    let mut in_secret = false;
+    let mut any_secret = false;
     let masked: Vec<String> = params
         .split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((key, _)) if is_secret_key(key) => format!("{key}={MASK}"),
-            _ => pair.to_owned(),
+        .filter_map(|pair| match pair.split_once('=') {
+            Some((key, _)) if is_secret_key(key) => {
+                (in_secret, any_secret) = (true, true);
+                Some(format!("{key}={MASK}"))
+            }
+            Some(_) => {
+                in_secret = false;
+                Some(pair.to_owned())
+            }
+            None if in_secret => None,
+            None => Some(pair.to_owned()),
         })
         .collect();
+    let fragment = if any_secret && !fragment.is_empty() {
+        ""
+    } else {
+        fragment
+    };
     format!("?{}{fragment}", masked.join("&"))
 }
 
