@@ -249,6 +249,7 @@ async fn check(db: &TestDb, case: usize, s: &Scenario) -> Result<(), TestCaseErr
         }
     }
     broker.close();
+    broker.record_acks();
     let handler = ModelHandler {
         batch: s.batch_handler,
         ..Default::default()
@@ -359,6 +360,20 @@ async fn check(db: &TestDb, case: usize, s: &Scenario) -> Result<(), TestCaseErr
             reason
         );
     }
+    // No delivery of a message that cannot succeed was acknowledged, and every delivery was
+    // settled.
+    let cannot_succeed: Vec<String> = s
+        .kinds
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| k.dead_letter_reason().is_some())
+        .map(|(e, _)| format!("e{e}"))
+        .collect();
+    for ack in broker.acks() {
+        let id = ack.native_id.unwrap_or_default();
+        prop_assert!(!cannot_succeed.contains(&id), "{} was acknowledged", id);
+    }
+    prop_assert_eq!(broker.pending(), 0, "every delivery is settled");
     Ok(())
 }
 
