@@ -11,6 +11,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lapin::types::FieldTable;
 use txinbox::HandlerError;
 use txinbox_amqp::{AmqpConfig, AmqpSource, Error};
 
@@ -547,6 +548,104 @@ async fn an_unroutable_retry_copy_leaves_the_original_unacked_and_requeues_it_af
     assert_eq!(db.balance("alice").await, 7);
     db.assert_exactly_once(1).await;
     assert_eq!(queue.ready().await, 0);
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+/// A dead-letter queue that refuses writes (full, `x-overflow = reject-publish`): the dead letter
+/// is recorded once in the database, the original is requeued after `requeue_delay` and
+/// dead-lettered again until the queue takes it; good messages behind it flow meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_that_refuses_writes_holds_only_its_message_and_takes_it_once_fixed() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("fulldlq").await;
+    let dlq = format!("{}.dlq", queue.name);
+    let redeclare = |args: FieldTable| {
+        let dlq = dlq.clone();
+        async move {
+            let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            ch.queue_delete(dlq.as_str().into(), Default::default())
+                .await
+                .unwrap();
+            ch.queue_declare(
+                dlq.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args,
+            )
+            .await
+            .unwrap();
+            let _ = conn.close(200, "done".into()).await;
+        }
+    };
+    let mut full = FieldTable::default();
+    full.insert("x-max-length".into(), lapin::types::AMQPValue::LongLongInt(0));
+    full.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
+    redeclare(full).await;
+
+    const REQUEUE: Duration = Duration::from_millis(300);
+    let spec = Spec {
+        name: "fulldlq",
+        db: &db,
+        handler: DepositHandler::default(),
+        concurrency: 2,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let config = queue.config(4).declare_topology(false).requeue_delay(REQUEUE);
+    let consumer = start(&spec, config, &probe, 0).await;
+    queue
+        .publish_all(&[
+            (Some("poison".into()), "not json".into()),
+            (Some("good-1".into()), deposit("alice", 5)),
+            (Some("good-2".into()), deposit("alice", 6)),
+        ])
+        .await;
+    // The good messages behind the poison one are applied while the queue refuses its copy.
+    let started = Instant::now();
+    while db.balance("alice").await != 11 {
+        assert!(started.elapsed() < Duration::from_secs(20), "good messages held");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    while probe.get(&probe.settle_failed) < 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the refused copy is tried again"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox.dead_letters").await,
+        1,
+        "recorded once, however often it is tried"
+    );
+    assert_eq!(queue.stats_of(&dlq).await.0, 0, "the full queue took nothing");
+
+    // Fixed: the next try lands, once.
+    redeclare(FieldTable::default()).await;
+    while queue.stats_of(&dlq).await.0 == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the copy reaches the fixed queue"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(REQUEUE * 3).await;
+    consumer.stop().await;
+    let copies = queue.drain_dlq().await;
+    assert_eq!(copies.len(), 1, "{copies:?}");
+    assert_eq!(copies[0].0.as_deref(), Some("poison"));
+    assert_eq!(queue.ready().await, 0);
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
     queue.delete().await;
     db.drop_db().await;
 }
