@@ -34,6 +34,26 @@ async fn db(max_connections: u32) -> PgPool {
     );
     let admin: PgConnectOptions = admin_url().parse().unwrap();
     let mut conn = admin.connect().await.expect("PostgreSQL at DATABASE_URL");
+    // Databases left by earlier runs of this crate's tests (a failing test keeps its own), once
+    // per process, and only those nobody is connected to.
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let mut c = admin.connect().await.unwrap();
+            let stale: Vec<String> = sqlx::query_scalar(
+                "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_http\\_%'
+                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+            )
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+            for db in stale {
+                let _ = c
+                    .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                    .await;
+            }
+        })
+        .await;
     conn.execute(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
     )))
