@@ -14,6 +14,7 @@
 //! | `txinbox_handler_duration_seconds` | histogram | time in one handler call (a `BatchHandler` call: its whole batch) |
 //! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT (one per transaction; a batch shares one) |
 //! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
+//! | `txinbox_contended` | gauge | messages re-running because they keep losing lock conflicts (a row locked elsewhere holds their lane) |
 //! | `txinbox_outbox_pending` | gauge | outbox rows waiting to be published (label `relay`, refreshed by the relay) |
 //! | `txinbox_outbox_oldest_pending_age_seconds` | gauge | age of the oldest pending outbox row, 0 when none (label `relay`) |
 //! | `txinbox_outbox_published_total` | counter | outbox rows published and marked (label `relay`) |
@@ -52,6 +53,8 @@ pub const HANDLER_DURATION: &str = "txinbox_handler_duration_seconds";
 pub const COMMIT_DURATION: &str = "txinbox_commit_duration_seconds";
 /// Gauge: deliveries in flight.
 pub const IN_FLIGHT: &str = "txinbox_in_flight";
+/// Gauge: messages re-running after lock conflicts.
+pub const CONTENDED: &str = "txinbox_contended";
 /// Gauge: outbox rows waiting to be published.
 pub const OUTBOX_PENDING: &str = "txinbox_outbox_pending";
 /// Gauge: age in seconds of the oldest pending outbox row.
@@ -77,6 +80,7 @@ pub(crate) struct Metrics {
     pub(crate) handler_duration: Histogram,
     pub(crate) commit_duration: Histogram,
     pub(crate) in_flight: Gauge,
+    pub(crate) contended: Gauge,
 }
 
 impl Metrics {
@@ -95,6 +99,7 @@ impl Metrics {
             handler_duration: metrics::histogram!(HANDLER_DURATION, &label()),
             commit_duration: metrics::histogram!(COMMIT_DURATION, &label()),
             in_flight: metrics::gauge!(IN_FLIGHT, &label()),
+            contended: metrics::gauge!(CONTENDED, &label()),
         }
     }
 
@@ -133,4 +138,8 @@ fn describe() {
     describe_histogram!(HANDLER_DURATION, Unit::Seconds, "Time spent in the handler");
     describe_histogram!(COMMIT_DURATION, Unit::Seconds, "Time spent in COMMIT");
     describe_gauge!(IN_FLIGHT, "Deliveries received and not yet settled");
+    describe_gauge!(
+        CONTENDED,
+        "Messages re-running because they keep losing lock conflicts"
+    );
 }

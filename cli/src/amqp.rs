@@ -103,9 +103,11 @@ impl Amqp {
 }
 
 /// `amqp://user:pass@host:port/vhost` → `host:port/vhost`.
-fn without_credentials(url: &str) -> &str {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    rest.rsplit_once('@').map_or(rest, |(_, r)| r)
+fn without_credentials(url: &str) -> String {
+    // One redaction (passwords, secret query parameters), then the user and scheme left out.
+    let shown = txinbox::redact::url(url);
+    let rest = shown.split_once("://").map_or(shown.as_str(), |(_, r)| r);
+    rest.rsplit_once('@').map_or(rest, |(_, r)| r).to_owned()
 }
 
 /// Whether a stored header is broker or txinbox bookkeeping that must not travel with a

@@ -26,6 +26,18 @@ pub struct Kafka {
     client: BaseConsumer,
 }
 
+/// What the broker says about one partition: [`Kafka::view`].
+#[derive(Debug, Clone, Copy)]
+pub struct BrokerPartition {
+    pub partition: i32,
+    /// The earliest offset the broker still holds.
+    pub low: i64,
+    /// The offset the next record will get.
+    pub high: i64,
+    /// The group's committed offset (`None`: nothing committed, or no group asked).
+    pub group_offset: Option<i64>,
+}
+
 /// One record read from a partition, copied out of librdkafka.
 pub struct Record {
     pub offset: i64,
@@ -41,7 +53,10 @@ impl Kafka {
         let client = config(brokers, &format!("txinbox-cli-{}", std::process::id()))
             .create::<BaseConsumer>()
             .map_err(|e| {
-                CliError::BadArgs(format!("Kafka client configuration for --brokers {brokers}: {e}"))
+                CliError::BadArgs(format!(
+                    "Kafka client configuration for --brokers {}: {e}",
+                    shown(brokers)
+                ))
             })?;
         client
             .fetch_metadata(None, Duration::from_secs(5))
@@ -63,10 +78,57 @@ impl Kafka {
             .iter()
             .find(|t| t.name() == topic)
             .filter(|t| t.error().is_none() && !t.partitions().is_empty())
-            .ok_or_else(|| CliError::failed(format!("topic {topic} does not exist on {}", self.brokers)))?;
+            .ok_or_else(|| {
+                CliError::failed(format!(
+                    "topic {topic} does not exist on {}",
+                    shown(&self.brokers)
+                ))
+            })?;
         let mut ps: Vec<i32> = t.partitions().iter().map(|p| p.id()).collect();
         ps.sort_unstable();
         Ok(ps)
+    }
+
+    /// What the broker says about `partitions` of `topic` (all of them when empty; one the
+    /// topic does not have is a bad argument): watermarks and, when `group` is given, its
+    /// committed offsets. The one place the commands list partitions.
+    pub fn view(
+        &self,
+        topic: &str,
+        group: Option<&str>,
+        partitions: &[i32],
+    ) -> Result<Vec<BrokerPartition>, CliError> {
+        let all = self.partitions(topic)?;
+        let selected = if partitions.is_empty() {
+            all
+        } else {
+            if let Some(p) = partitions.iter().find(|p| !all.contains(p)) {
+                return Err(CliError::BadArgs(format!(
+                    "topic {topic} has no partition {p} (it has {})",
+                    all.len()
+                )));
+            }
+            let mut selected = partitions.to_vec();
+            selected.sort_unstable();
+            selected.dedup();
+            selected
+        };
+        let committed = match group {
+            Some(g) => self.committed(g, topic, &selected)?,
+            None => HashMap::new(),
+        };
+        selected
+            .into_iter()
+            .map(|p| {
+                let (low, high) = self.watermarks(topic, p)?;
+                Ok(BrokerPartition {
+                    partition: p,
+                    low,
+                    high,
+                    group_offset: committed.get(&p).copied().flatten(),
+                })
+            })
+            .collect()
     }
 
     /// (low, high) watermarks of one partition.
@@ -311,7 +373,17 @@ fn config(brokers: &str, group: &str) -> ClientConfig {
 
 fn unreachable(brokers: &str, e: rdkafka::error::KafkaError) -> CliError {
     CliError::Unreachable {
-        service: format!("Kafka brokers at {brokers}"),
+        service: format!("Kafka brokers at {}", shown(brokers)),
         detail: format!("{e} (check --brokers / KAFKA_BROKERS and that the brokers run)"),
     }
+}
+
+/// `brokers` as the CLI may print it: every entry of the list through [`txinbox::redact::url`]
+/// (SASL credentials pasted as `user:password@host` or `scheme://user:password@host`).
+pub fn shown(brokers: &str) -> String {
+    brokers
+        .split(',')
+        .map(txinbox::redact::url)
+        .collect::<Vec<_>>()
+        .join(",")
 }

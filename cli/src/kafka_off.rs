@@ -1,12 +1,19 @@
 //! Stand-in for the Kafka client when the `kafka` feature is off: connecting fails with a
 //! clear message, so nothing else is ever called.
 
-use std::collections::HashMap;
-
 use crate::error::CliError;
 
 /// No Kafka client in this build (uninhabited).
 pub enum Kafka {}
+
+/// What the broker says about one partition (never built without the `kafka` feature).
+#[derive(Debug, Clone, Copy)]
+pub struct BrokerPartition {
+    pub partition: i32,
+    pub low: i64,
+    pub high: i64,
+    pub group_offset: Option<i64>,
+}
 
 /// No producer in this build (uninhabited).
 pub enum Producer {}
@@ -18,15 +25,7 @@ impl Kafka {
         ))
     }
 
-    pub fn partitions(&self, _: &str) -> Result<Vec<i32>, CliError> {
-        match *self {}
-    }
-
-    pub fn watermarks(&self, _: &str, _: i32) -> Result<(i64, i64), CliError> {
-        match *self {}
-    }
-
-    pub fn committed(&self, _: &str, _: &str, _: &[i32]) -> Result<HashMap<i32, Option<i64>>, CliError> {
+    pub fn view(&self, _: &str, _: Option<&str>, _: &[i32]) -> Result<Vec<BrokerPartition>, CliError> {
         match *self {}
     }
 

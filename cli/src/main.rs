@@ -1,6 +1,7 @@
 //! `txinbox`: operate a txinbox deployment without writing SQL.
 //!
-//! Subcommands: `migrate`, `status`, `replay`, `purge`, `dead-letters list|show|requeue|discard`.
+//! Subcommands: `migrate`, `status`, `replay`, `positions show|adopt|set|rebind`, `purge`,
+//! `dead-letters list|show|requeue|discard`.
 //! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
 
 #[cfg(feature = "amqp")]
@@ -37,7 +38,17 @@ Exit codes:
   3  a service (PostgreSQL, Kafka) could not be reached
 
 Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
--> start the consumers (they start from the database positions replay set).";
+-> start the consumers (they start from the database positions replay set).
+
+The Kafka group of a consumer is read from txinbox.subscriptions (a consumer records it when it
+is assigned partitions); --group must agree with it, and is needed only when none is recorded.
+
+Commands that delete or write (purge, positions adopt|set|rebind) print their plan first and ask
+for confirmation on a terminal; without a terminal (CI, cron) they need --yes, and refuse
+without it. --dry-run prints the plan only.
+
+Durations take one unit: s, min, h, d or w (90s, 30min, 12h, 7d, 2w); `m` is refused (minutes
+or months?).";
 
 /// Operate a txinbox deployment: inbox status, safe Kafka replay, retention, dead letters.
 #[derive(Debug, Parser)]
@@ -49,8 +60,9 @@ struct Cli {
     /// PostgreSQL holding the inbox.
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
-    /// Kafka bootstrap servers (host:port,...), for status, replay and Kafka requeues.
-    #[arg(long, global = true, env = "KAFKA_BROKERS")]
+    /// Kafka bootstrap servers (host:port,...), for status, replay, positions and Kafka
+    /// requeues.
+    #[arg(long, global = true, env = "KAFKA_BROKERS", hide_env_values = true)]
     brokers: Option<String>,
     /// RabbitMQ URL (amqp://user:pass@host:port/vhost), for requeueing RabbitMQ dead letters.
     #[arg(long, global = true, env = "AMQP_URL", hide_env_values = true)]
@@ -69,7 +81,14 @@ enum Command {
     /// Move a consumer's Kafka position (database and group) for one partition or all to an
     /// offset or a time. Run it with the consumers stopped; it takes effect when they start.
     Replay(ReplayArgs),
-    /// Delete terminal inbox rows older than a window, in small batches (never `retrying` rows).
+    /// A consumer's Kafka positions: show them against the group and the watermarks, adopt the
+    /// group's offsets, set them, or record a new group. After a database restore, a partition
+    /// with a group offset but no database position is refused by the consumer until one of
+    /// these decides.
+    #[command(subcommand)]
+    Positions(PositionsCommand),
+    /// Delete one consumer's (or every consumer's) terminal inbox rows older than a window, in
+    /// small batches (never `retrying` rows), after showing the plan and a confirmation.
     Purge(PurgeArgs),
     /// Inspect and resolve dead letters.
     #[command(subcommand, name = "dead-letters")]
@@ -81,7 +100,8 @@ struct StatusArgs {
     /// Only this consumer.
     #[arg(long)]
     consumer: Option<String>,
-    /// Kafka group of the consumer (default: the consumer name), for group offsets.
+    /// Kafka group of the consumer, for group offsets (default: the group it recorded; must
+    /// agree with it).
     #[arg(long, requires = "consumer")]
     group: Option<String>,
 }
@@ -107,7 +127,8 @@ struct ReplayArgs {
     /// Start from the earliest record the broker holds.
     #[arg(long)]
     to_earliest: bool,
-    /// The consumer's Kafka group id (default: the consumer name).
+    /// The consumer's Kafka group id (default: the group it recorded in txinbox.subscriptions;
+    /// needed only when none is recorded, and must agree with a recorded one).
     #[arg(long)]
     group: Option<String>,
     /// The consumer's ID strategy: cloudevents, header:NAME, json:/POINTER, sha256, offset.
@@ -126,20 +147,143 @@ struct ReplayArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("scope").required(true).args(["consumer", "all_consumers"])))]
 struct PurgeArgs {
-    /// Only this consumer (default: every consumer with inbox rows).
+    /// Only this consumer.
     #[arg(long)]
     consumer: Option<String>,
-    /// Keep rows younger than this (e.g. 7d, 36h, 90m, 0s). Choose at least the broker's
-    /// retention plus the longest redelivery horizon: an ID purged earlier no longer dedups.
+    /// Every consumer with inbox rows (instead of --consumer).
+    #[arg(long)]
+    all_consumers: bool,
+    /// Keep rows younger than this (s, min, h, d or w: 7d, 36h, 2w). An ID purged earlier no
+    /// longer dedups, so choose at least the broker's retention plus the longest redelivery
+    /// horizon; below the dedup window (7d) only with --force.
     #[arg(long, default_value = "7d", value_parser = parse_duration)]
     older_than: Duration,
     /// Rows deleted per statement.
     #[arg(long, default_value_t = txinbox::ops::retention::DEFAULT_BATCH, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     batch_size: i64,
-    /// Count what would be deleted; delete nothing.
+    /// Print the plan (rows per consumer); delete nothing.
     #[arg(long)]
     dry_run: bool,
+    /// Allow a window shorter than the dedup window (7d): redeliveries of purged IDs are
+    /// applied again.
+    #[arg(long)]
+    force: bool,
+    /// Delete without asking (needed when stdin is not a terminal).
+    #[arg(long)]
+    yes: bool,
+}
+
+#[derive(Debug, Subcommand)]
+enum PositionsCommand {
+    /// Per partition: database position, group offset, watermarks, and what a consumer does
+    /// with it (ok, missing-in-db: refused, behind-group, ...).
+    Show(PositionsShowArgs),
+    /// Store the group's committed offsets as database positions where the database has none
+    /// (the group's progress counts as done: e.g. moving a service onto txinbox).
+    Adopt(PositionsAdoptArgs),
+    /// Store positions: the earliest offset the broker holds (re-read everything retained; the
+    /// inbox skips what is already applied), or one offset.
+    Set(PositionsSetArgs),
+    /// Record a new group for the consumer on this topic, on purpose (the old one is refused by
+    /// tools and consumers from then on).
+    Rebind(PositionsRebindArgs),
+}
+
+#[derive(Debug, Args)]
+struct PositionsTarget {
+    /// The txinbox consumer name.
+    #[arg(long)]
+    consumer: String,
+    /// The topic.
+    #[arg(long)]
+    topic: String,
+}
+
+/// What every write of `positions` takes.
+#[derive(Debug, Args)]
+struct WriteFlags {
+    /// Print the plan; write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Write without asking (needed when stdin is not a terminal).
+    #[arg(long)]
+    yes: bool,
+}
+
+#[derive(Debug, Args)]
+struct PositionsShowArgs {
+    #[command(flatten)]
+    consumer: PositionsConsumer,
+    /// The consumer's Kafka group (default: the recorded one; must agree with it).
+    #[arg(long)]
+    group: Option<String>,
+}
+
+/// `--consumer` with `--topic` optional (show: every topic the consumer has positions in or a
+/// recorded group for).
+#[derive(Debug, Args)]
+struct PositionsConsumer {
+    /// The txinbox consumer name.
+    #[arg(long)]
+    consumer: String,
+    /// Only this topic.
+    #[arg(long)]
+    topic: Option<String>,
+}
+
+#[derive(Debug, Args)]
+struct PositionsAdoptArgs {
+    #[command(flatten)]
+    target: PositionsTarget,
+    /// Only these partitions (repeatable; default: all).
+    #[arg(long = "partition")]
+    partitions: Vec<i32>,
+    /// The consumer's Kafka group (default: the recorded one; must agree with it).
+    #[arg(long)]
+    group: Option<String>,
+    /// Also overwrite partitions that have a database position.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    write: WriteFlags,
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("to").required(true).args(["to_earliest", "offset"])))]
+struct PositionsSetArgs {
+    #[command(flatten)]
+    target: PositionsTarget,
+    /// Each selected partition's low watermark: the earliest offset the broker holds.
+    #[arg(long)]
+    to_earliest: bool,
+    /// This offset (needs --partition).
+    #[arg(long, requires = "partitions")]
+    offset: Option<i64>,
+    /// Only these partitions (repeatable; default with --to-earliest: all).
+    #[arg(long = "partition")]
+    partitions: Vec<i32>,
+    /// The consumer's Kafka group (default: the recorded one; must agree with it).
+    #[arg(long)]
+    group: Option<String>,
+    /// Write even before the retention horizon (purged IDs would be applied again), past
+    /// records not processed yet (skipping them), or while the group has active members.
+    #[arg(long)]
+    force: bool,
+    #[command(flatten)]
+    write: WriteFlags,
+}
+
+#[derive(Debug, Args)]
+struct PositionsRebindArgs {
+    #[command(flatten)]
+    target: PositionsTarget,
+    /// The group the consumer reads the topic through from now on.
+    #[arg(long)]
+    group: String,
+    #[command(flatten)]
+    write: WriteFlags,
 }
 
 #[derive(Debug, Subcommand)]
@@ -369,6 +513,10 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         Command::Replay(a) => commands::replay::run(env, a).await,
         #[cfg(not(feature = "kafka"))]
         Command::Replay(_) => Kafka::connect("").map(|k| match k {}),
+        #[cfg(feature = "kafka")]
+        Command::Positions(c) => commands::positions::run(env, c).await,
+        #[cfg(not(feature = "kafka"))]
+        Command::Positions(_) => Kafka::connect("").map(|k| match k {}),
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
     }
@@ -378,19 +526,49 @@ fn parse_timestamp(s: &str) -> Result<txinbox::ops::Timestamp, String> {
     s.parse()
 }
 
+/// A whole number and one unit: `s`, `min`, `h`, `d` or `w`. Never `m` (minutes or months?),
+/// `M`, `mo` or a bare number.
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    let bad = || format!("`{s}` is not a duration: use a number with s, m, h, d or w, e.g. 7d or 36h");
-    let unit = s.chars().last().ok_or_else(bad)?;
-    let n: u64 = s[..s.len() - unit.len_utf8()].parse().map_err(|_| bad())?;
-    let secs = match unit {
-        's' => 1,
-        'm' => 60,
-        'h' => 3600,
-        'd' => 86_400,
-        'w' => 604_800,
-        _ => return Err(bad()),
+    let bad = |why: &str| {
+        format!(
+            "`{s}` is not a duration{why}: use a whole number and one of the units s, min, h, d or w (seconds, minutes, hours, days, weeks), e.g. 90s, 30min, 12h, 7d, 2w"
+        )
     };
-    n.checked_mul(secs).map(Duration::from_secs).ok_or_else(bad)
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(digits);
+    if n.is_empty() {
+        return Err(bad(""));
+    }
+    let secs: u64 = match unit {
+        "s" => 1,
+        "min" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        "w" => 604_800,
+        "m" | "M" | "mo" | "mon" | "month" | "months" => {
+            return Err(bad(
+                " (`m` could mean minutes or months; write min for minutes, d or w for longer)",
+            ))
+        }
+        "" => return Err(bad(" (no unit)")),
+        _ => return Err(bad("")),
+    };
+    let n: u64 = n.parse().map_err(|_| bad(""))?;
+    n.checked_mul(secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| bad(" (too long)"))
+}
+
+/// `d` as the shortest exact text `parse_duration` reads back (`7d`, `36h`, `90s`).
+pub(crate) fn show_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => "0s".into(),
+        _ if s.is_multiple_of(86_400) => format!("{}d", s / 86_400),
+        _ if s.is_multiple_of(3600) => format!("{}h", s / 3600),
+        _ if s.is_multiple_of(60) => format!("{}min", s / 60),
+        _ => format!("{s}s"),
+    }
 }
 
 fn parse_id_strategy(s: &str) -> Result<IdStrategy, String> {

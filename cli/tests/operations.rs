@@ -71,6 +71,8 @@ async fn replay_of_fully_processed_partition_applies_nothing() {
     db.wait_for("SELECT count(*) FROM effects", 40, WAIT).await;
     running.stop().await;
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(30));
+    // The group replay and status read (the consumer's group.id is its name here).
+    record_subscription(&db, &consumer, &topic, &consumer).await;
 
     let dry = txinbox(
         &db.url,
@@ -219,6 +221,7 @@ async fn replay_after_database_restore_applies_exactly_the_missing() {
     db.wait_for(&position, 42, WAIT).await;
     running.stop().await;
     assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 40);
+    record_subscription(&db, &consumer, &topic, &consumer).await;
 
     // The restore: business tables and inbox as of 25 messages (one transaction, as a backup
     // would be consistent); the position table kept from later, so the consumer alone would
@@ -337,6 +340,7 @@ async fn purge_while_consumer_runs_lets_no_duplicate_through() {
                     "7d",
                     "--batch-size",
                     "200",
+                    "--yes",
                 ],
             )
             .await
@@ -389,9 +393,13 @@ async fn purge_while_consumer_runs_lets_no_duplicate_through() {
     );
 
     // Nothing left to purge: a second run deletes nothing.
-    let again = txinbox(&db.url, None, &["--json", "purge", "--consumer", &consumer])
-        .await
-        .ok();
+    let again = txinbox(
+        &db.url,
+        None,
+        &["--json", "purge", "--consumer", &consumer, "--yes"],
+    )
+    .await
+    .ok();
     assert_eq!(again["consumers"][0]["deleted"], 0, "{again:#}");
 }
 
@@ -656,6 +664,7 @@ async fn replay_refuses_before_the_retention_horizon_and_with_running_consumers(
     Producer::new(&brokers).deposits(&topic, 0, "h", 10).await;
     let running = Running::start(&db, &brokers, &consumer, &topic);
     db.wait_for("SELECT count(*) FROM effects", 10, WAIT).await;
+    record_subscription(&db, &consumer, &topic, &consumer).await;
 
     let args = [
         "--json",
@@ -677,7 +686,16 @@ async fn replay_refuses_before_the_retention_horizon_and_with_running_consumers(
     let purged = txinbox(
         &db.url,
         None,
-        &["--json", "purge", "--consumer", &consumer, "--older-than", "0s"],
+        &[
+            "--json",
+            "purge",
+            "--consumer",
+            &consumer,
+            "--older-than",
+            "0s",
+            "--force",
+            "--yes",
+        ],
     )
     .await
     .ok();
@@ -857,6 +875,7 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
         .to_string();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     producer.deposits(&topic, 0, "b", 5).await;
+    record_subscription(&db, &consumer, &topic, &consumer).await;
     let dry = txinbox(
         &db.url,
         Some(&brokers),
@@ -901,11 +920,12 @@ async fn replay_to_a_timestamp_starts_at_the_first_record_after_it() {
     assert_eq!(db.position(&consumer, &topic, 0).await, Some(5));
 }
 
-/// Purge keeps the inbox row of a record the consumer will read again: a dead letter at the
-/// stored position (a dead letter does not move it) is recognised after a restart, not handled
-/// again, even though its cause was fixed meanwhile (only a requeue may apply it).
+/// A dead letter whose copy the broker confirmed moves the stored position past it (since
+/// 9678acb), so a restart does not read it again; purging its row (it is before the position)
+/// then lets nothing through: the cause fixed meanwhile, the record is still not handled (only
+/// a requeue may apply it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn purge_keeps_the_row_of_a_dead_letter_a_restart_reads_again() {
+async fn purge_after_a_confirmed_dead_letter_lets_no_restart_handle_it() {
     let Some(brokers) = brokers() else { return };
     let db = TestDb::new().await;
     let topic = create_topic(&brokers, 1).await;
@@ -917,17 +937,31 @@ async fn purge_keeps_the_row_of_a_dead_letter_a_restart_reads_again() {
     let running = Running::start(&db, &brokers, &consumer, &topic);
     db.wait_for("SELECT count(*) FROM txinbox.dead_letters", 1, WAIT)
         .await;
+    // The position moves past the dead letter at offset 1 once its copy is confirmed.
+    db.wait_for(
+        &format!(
+            "SELECT coalesce(max(next_position), 0) FROM txinbox.positions WHERE consumer = '{consumer}'"
+        ),
+        2,
+        WAIT,
+    )
+    .await;
     running.stop().await;
-    assert_eq!(
-        db.position(&consumer, &topic, 0).await,
-        Some(1),
-        "the dead letter at offset 1 did not move the position"
-    );
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(2));
 
     let purged = txinbox(
         &db.url,
         None,
-        &["--json", "purge", "--consumer", &consumer, "--older-than", "0s"],
+        &[
+            "--json",
+            "purge",
+            "--consumer",
+            &consumer,
+            "--older-than",
+            "0s",
+            "--force",
+            "--yes",
+        ],
     )
     .await
     .ok();
@@ -946,10 +980,18 @@ async fn purge_keeps_the_row_of_a_dead_letter_a_restart_reads_again() {
         db.scalar("SELECT count(*) FROM effects WHERE message_id = 'k-2'")
             .await,
         0,
-        "the dead-lettered record read again is not handled again"
+        "the dead-lettered record is not read again, so not handled"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE message_id = 'k-3'")
+            .await,
+        1
     );
     assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
-    assert_eq!(purged["consumers"][0]["deleted"], 1, "only k-1's row: {purged:#}");
+    assert_eq!(
+        purged["consumers"][0]["deleted"], 2,
+        "k-1's and k-2's rows: {purged:#}"
+    );
 }
 
 /// Purge keeps rows of records at or after the stored position (here: after a replay moved it
@@ -982,7 +1024,15 @@ async fn purge_keeps_rows_at_or_after_the_stored_position() {
     let purged = txinbox(
         &db.url,
         None,
-        &["--json", "purge", "--consumer", &consumer, "--batch-size", "7"],
+        &[
+            "--json",
+            "purge",
+            "--consumer",
+            &consumer,
+            "--batch-size",
+            "7",
+            "--yes",
+        ],
     )
     .await
     .ok();

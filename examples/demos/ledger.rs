@@ -10,7 +10,11 @@
 //! not a payment is dead-lettered with reason `undecodable` (Kafka: `<topic>.dlq`; AMQP:
 //! `<queue>.dlq`), never retried, never a crash. The tables are created if missing. SIGTERM or
 //! Ctrl-C stops it gracefully: intake stops, every received event is finished and acknowledged,
-//! the Kafka offsets are committed. Everything else is the framework's defaults.
+//! the Kafka offsets are committed. On Kafka, a partition the group has committed but the
+//! database has no position for (a restored dump, a fresh database) is held with an ERROR until
+//! a position is written (`--on-missing-position refuse`, the default), or started from the
+//! earliest offset (`earliest`) or from the group's offset (`adopt`). Everything else is the
+//! framework's defaults.
 //!
 //! Needs PostgreSQL and a broker (`docker compose up -d`, or `scripts/test` installs them).
 //! Every flag also reads the environment variable shown by `--help`.
@@ -38,7 +42,7 @@ use tracing_subscriber::EnvFilter;
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
 use txinbox_demos::payments::{create_tables, Ledger};
-use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
 
 /// Applies payment events from Kafka or RabbitMQ to PostgreSQL balances, effectively once.
 #[derive(Debug, Parser)]
@@ -61,6 +65,12 @@ struct Args {
     /// the environment variable), e.g. `session.timeout.ms=6000`.
     #[arg(long = "kafka-property", env = "LEDGER_KAFKA_PROPERTIES", value_delimiter = ',', value_parser = key_value)]
     kafka_properties: Vec<(String, String)>,
+    /// Kafka: where a partition starts when the group has a committed offset but the database
+    /// has no position for it (a restored or fresh database): `refuse` holds the partition and
+    /// says how to release it, `earliest` re-applies everything retained (the inbox drops what
+    /// was applied), `adopt` counts everything before the group's offset as done.
+    #[arg(long, env = "LEDGER_ON_MISSING_POSITION", default_value = "refuse")]
+    on_missing_position: MissingPosition,
     /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
     #[arg(
         long,
@@ -122,12 +132,16 @@ async fn main() -> anyhow::Result<()> {
 
     let result = match args.source {
         Source::Kafka => {
-            let mut config =
-                KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name).topic(&args.topic);
+            let mut config = KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name)
+                .topic(&args.topic)
+                .on_missing_position(args.on_missing_position);
             for (key, value) in &args.kafka_properties {
                 config = config.set(key, value);
             }
             let source = KafkaSource::new(config, inbox.clone())?;
+            // The crash matrix's sabotaged outage run only (see `txinbox_demos::sabotage`).
+            #[cfg(feature = "crash-points")]
+            let source = txinbox_demos::sabotage::from_env(source);
             tracing::info!(brokers = %args.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
             Consumer::builder(&args.consumer_name)
                 .source(source)
@@ -141,6 +155,8 @@ async fn main() -> anyhow::Result<()> {
             let source = AmqpSource::connect(AmqpConfig::new(&args.amqp_url, &args.queue))
                 .await
                 .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
+            #[cfg(feature = "crash-points")]
+            let source = txinbox_demos::sabotage::from_env(source);
             tracing::info!(queue = %args.queue, "ledger consuming from RabbitMQ");
             Consumer::builder(&args.consumer_name)
                 .source(source)

@@ -4,10 +4,13 @@
 //! - [`payments`]: the `ledger` example's events, tables and handler;
 //! - [`reconcile`]: what the `chaos` harness checks after its crash matrix: nothing lost,
 //!   nothing doubled;
+//! - [`sabotage`]: a source that acknowledges before the commit, for the harness's proof that
+//!   its database-outage check can fail;
 //! - [`with_database`]: a PostgreSQL URL pointed at a scratch database.
 
 pub mod payments;
 pub mod reconcile;
+pub mod sabotage;
 
 /// `url` with its database replaced by `name` (query parameters kept).
 pub fn with_database(url: &str, name: &str) -> String {

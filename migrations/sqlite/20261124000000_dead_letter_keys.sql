@@ -11,36 +11,32 @@ ALTER TABLE txinbox_dead_letters ADD COLUMN payload_size INTEGER;
 ALTER TABLE txinbox_dead_letters ADD COLUMN payload_sha256 BLOB CHECK (length(payload_sha256) = 32);
 ALTER TABLE txinbox_dead_letters ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0;
 
+-- Rows written before this migration stored the whole payload: their size is known. (SQLite
+-- has no SHA-256 function: their hash stays NULL, so such a row, if read again at its
+-- position, is recorded once more with its hash.)
+UPDATE txinbox_dead_letters SET payload_size = length(payload);
+
+-- Rows recorded twice before this migration (same position, same payload; same conflict):
+-- keep the oldest pending one, mark the others discarded. Window functions, so one pass.
 UPDATE txinbox_dead_letters
 SET discarded_at = CAST(unixepoch('subsec') * 1000 AS INTEGER),
-    discard_reason = 'duplicate of dead letter ' || (
-        SELECT min(k.id) FROM txinbox_dead_letters k
-        WHERE k.consumer = txinbox_dead_letters.consumer AND k.source_system = txinbox_dead_letters.source_system
-          AND k.destination = txinbox_dead_letters.destination
-          AND k.source_partition IS txinbox_dead_letters.source_partition
-          AND k.source_offset = txinbox_dead_letters.source_offset) || ' (merged by migration 20261124000000)'
-WHERE source_offset IS NOT NULL
-  AND id > (SELECT min(k.id) FROM txinbox_dead_letters k
-            WHERE k.consumer = txinbox_dead_letters.consumer AND k.source_system = txinbox_dead_letters.source_system
-              AND k.destination = txinbox_dead_letters.destination
-              AND k.source_partition IS txinbox_dead_letters.source_partition
-              AND k.source_offset = txinbox_dead_letters.source_offset);
+    discard_reason = 'duplicate of dead letter ' || k.keep || ' (merged by migration 20261124000000)'
+FROM (SELECT id, min(id) OVER (PARTITION BY consumer, source_system, destination, source_partition, source_offset, payload) AS keep
+      FROM txinbox_dead_letters
+      WHERE source_offset IS NOT NULL AND discarded_at IS NULL) AS k
+WHERE txinbox_dead_letters.id = k.id AND k.id <> k.keep;
 
 UPDATE txinbox_dead_letters
 SET discarded_at = CAST(unixepoch('subsec') * 1000 AS INTEGER),
-    discard_reason = 'duplicate of dead letter ' || (
-        SELECT min(k.id) FROM txinbox_dead_letters k
-        WHERE k.reason = 'conflict' AND k.consumer = txinbox_dead_letters.consumer
-          AND k.message_id = txinbox_dead_letters.message_id AND k.fingerprint = txinbox_dead_letters.fingerprint
-          AND k.discarded_at IS NULL) || ' (merged by migration 20261124000000)'
-WHERE reason = 'conflict' AND message_id IS NOT NULL AND fingerprint IS NOT NULL AND discarded_at IS NULL
-  AND id > (SELECT min(k.id) FROM txinbox_dead_letters k
-            WHERE k.reason = 'conflict' AND k.consumer = txinbox_dead_letters.consumer
-              AND k.message_id = txinbox_dead_letters.message_id AND k.fingerprint = txinbox_dead_letters.fingerprint
-              AND k.discarded_at IS NULL);
+    discard_reason = 'duplicate of dead letter ' || k.keep || ' (merged by migration 20261124000000)'
+FROM (SELECT id, min(id) OVER (PARTITION BY consumer, message_id, fingerprint) AS keep
+      FROM txinbox_dead_letters
+      WHERE reason = 'conflict' AND message_id IS NOT NULL AND fingerprint IS NOT NULL
+        AND discarded_at IS NULL) AS k
+WHERE txinbox_dead_letters.id = k.id AND k.id <> k.keep;
 
 CREATE UNIQUE INDEX txinbox_dead_letters_position_key ON txinbox_dead_letters
-    (consumer, source_system, destination, source_partition, source_offset)
+    (consumer, source_system, destination, source_partition, source_offset, payload_sha256)
     WHERE source_offset IS NOT NULL AND requeued_at IS NULL AND discarded_at IS NULL;
 
 CREATE UNIQUE INDEX txinbox_dead_letters_conflict_key ON txinbox_dead_letters (consumer, message_id, fingerprint)

@@ -16,7 +16,7 @@
 
 mod process;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -524,7 +524,7 @@ where
         let mut sched = Scheduler {
             lanes: HashMap::new(),
             task_lanes: HashMap::new(),
-            stopped_lanes: HashSet::new(),
+            stopped_lanes: HashMap::new(),
             lingering: FuturesUnordered::new(),
             generation: 0,
         };
@@ -545,7 +545,7 @@ where
                             Lane::Unordered => None,
                             Lane::Ordered(key) => Some(key),
                         };
-                        if key.as_ref().is_some_and(|k| sched.stopped_lanes.contains(k)) {
+                        if key.as_ref().is_some_and(|k| sched.stays_stopped(k, &item.delivery)) {
                             drop(item); // unsettled: redelivered after the delivery it must follow
                         } else {
                             sched.lanes.entry(key.clone()).or_default().queue.push_back(item);
@@ -563,26 +563,39 @@ where
                     }
                 }
                 Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
-                    let (id, settled) = match done {
-                        Ok((id, settled)) => (id, settled),
+                    let (id, end) = match done {
+                        Ok((id, end)) => (id, end),
                         Err(e) => {
                             // A bug in txinbox or an adapter, not in the handler (handler panics
                             // are caught). The delivery was dropped unsettled and will be
                             // redelivered; stop rather than run its lane out of order.
                             let error = SourceError::fatal(format!("message task failed: {e}"));
                             shared.fail(Error::Source(error));
-                            (e.id(), false)
+                            (e.id(), process::LaneEnd::Stopped(None))
                         }
                     };
                     if let Some(key) = sched.task_lanes.remove(&id) {
                         let lane = sched.lanes.get_mut(&key).expect("a running lane has a queue");
                         lane.running -= 1;
                         match &key {
-                            // Its queue is dropped unsettled: nothing may overtake the delivery.
-                            Some(ordered) if !settled => {
-                                sched.lanes.remove(&key);
-                                sched.stopped_lanes.insert(ordered.clone());
-                            }
+                            Some(ordered) => match end {
+                                process::LaneEnd::Done => sched.pump(&key, &mut tasks, &shared),
+                                process::LaneEnd::Stopped(at) => {
+                                    // Queued behind the stop: dropped unsettled, unless the lane
+                                    // was delivered again meanwhile (then it goes on from there).
+                                    let queue = &mut lane.queue;
+                                    match queue.iter().position(|i| process::starts_over(at, &i.delivery)) {
+                                        Some(k) => {
+                                            queue.drain(..k);
+                                            sched.pump(&key, &mut tasks, &shared);
+                                        }
+                                        None => {
+                                            sched.lanes.remove(&key);
+                                            sched.stopped_lanes.insert(ordered.clone(), at);
+                                        }
+                                    }
+                                }
+                            },
                             _ => sched.pump(&key, &mut tasks, &shared),
                         }
                     }
@@ -615,8 +628,9 @@ struct Scheduler<D> {
     lanes: HashMap<LaneKey, LaneQueue<D>>,
     task_lanes: HashMap<tokio::task::Id, LaneKey>,
     /// Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
-    /// it), so their later deliveries are dropped unsettled too and will be redelivered.
-    stopped_lanes: HashSet<Arc<str>>,
+    /// it), so their later deliveries are dropped unsettled too and will be redelivered. With
+    /// the unsettled delivery's position, if it had one: see [`Scheduler::stays_stopped`].
+    stopped_lanes: HashMap<Arc<str>, Option<i64>>,
     /// Linger timers: the lane and the generation that started it.
     lingering: FuturesUnordered<LingerTimer>,
     generation: u64,
@@ -648,11 +662,31 @@ enum Linger {
 }
 
 impl<D: crate::source::Delivery> Scheduler<D> {
+    /// Whether `delivery` of stopped lane `key` must be dropped. A lane stopped at a delivery
+    /// with a position runs again from a delivery at or before that position: the source
+    /// started the lane over (a Kafka partition assigned again starts at the stored position,
+    /// which never passed the stopping delivery). Without a position it stays stopped.
+    fn stays_stopped(&mut self, key: &Arc<str>, delivery: &D) -> bool {
+        let Some(&at) = self.stopped_lanes.get(key) else {
+            return false;
+        };
+        let again = process::starts_over(at, delivery);
+        if again {
+            tracing::info!(lane = %key, "a stopped lane is delivered again from before where it stopped; it runs again");
+            self.stopped_lanes.remove(key);
+        }
+        !again
+    }
+
     /// Starts tasks for `key` while it has queued deliveries and room to run: one task at a time
     /// for an ordered lane, up to `concurrency` for the unordered queue. Each task takes up to
     /// `batch_size` queued deliveries. Forgets a lane that has nothing queued or running.
-    fn pump<St, H>(&mut self, key: &LaneKey, tasks: &mut JoinSet<bool>, shared: &Arc<Shared<St, H>>)
-    where
+    fn pump<St, H>(
+        &mut self,
+        key: &LaneKey,
+        tasks: &mut JoinSet<process::LaneEnd>,
+        shared: &Arc<Shared<St, H>>,
+    ) where
         St: InboxStore,
         H: Handler<St::Db>,
     {

@@ -66,8 +66,10 @@ fn span_for<St, H>(shared: &Shared<St, H>, msg: &crate::message::Message) -> Spa
     )
 }
 
-/// Processes one delivery alone, to its settlement, in `span`. Returns `false` if it was left
-/// unsettled (shutdown or a fatal error came first): its lane must not go on without it.
+/// Processes one delivery alone, to its settlement, in `span`. Returns `false` if its lane must
+/// not go on without it: it was left unsettled (shutdown or a fatal error came first), or the
+/// broker did not take a settlement the database does not record the position of (see
+/// [`settle`]).
 async fn process_alone<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     item: Item<D>,
@@ -81,11 +83,22 @@ async fn process_alone<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             tracing::debug!("left unsettled at shutdown; the broker will redeliver it");
             return false;
         };
-        settle(shared, delivery, verdict).await;
-        true
+        settle(shared, delivery, verdict).await
     }
     .instrument(span)
     .await
+}
+
+/// How a lane's task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LaneEnd {
+    /// Every delivery it took was settled (or its settlement's failure is harmless).
+    Done,
+    /// A delivery of an ordered lane was left unsettled, and the ones after it with it: nothing
+    /// of the lane may run until the source delivers it again. Holds that delivery's
+    /// [`Position::next`] if it has one: a delivery at or before it is the source starting the
+    /// lane over (a Kafka partition assigned again, from the stored position).
+    Stopped(Option<i64>),
 }
 
 /// A delivery of a batch, with what the batch claim needs.
@@ -150,8 +163,9 @@ enum Trip {
 
 /// Processes deliveries of one lane (in lane order) to their settlements, sharing transactions
 /// as micro-batches (see [`ConsumerBuilder::batch_size`](super::ConsumerBuilder::batch_size)).
-/// Returns `false` if a delivery of an ordered lane was left unsettled (shutdown or a fatal
-/// error came first); the deliveries after it are then dropped unsettled too.
+/// Returns [`LaneEnd::Stopped`] if a delivery of an ordered lane was left unsettled (shutdown, a
+/// fatal error, or a settlement the broker refused whose position the database does not hold);
+/// the deliveries after it are then dropped unsettled too.
 ///
 /// The failure rule, chosen over savepoints: a savepoint per message costs a round trip each and
 /// a PostgreSQL transaction with more than 64 subtransactions overflows the per-backend
@@ -163,7 +177,7 @@ enum Trip {
 pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     deliveries: Vec<D>,
-) -> bool {
+) -> LaneEnd {
     let mut queue: VecDeque<Item<D>> = deliveries.into_iter().map(|d| Item::new(shared, d)).collect();
     while !queue.is_empty() {
         let n = queue
@@ -174,10 +188,17 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
+            let at = item.delivery.position().map(|p| p.next);
             if !process_alone(shared, item).await {
                 if ordered {
-                    abandon(&queue);
-                    return false;
+                    // What this task still holds may include the lane delivered again.
+                    match queue.iter().position(|i| starts_over(at, &i.delivery)) {
+                        Some(k) => abandon(queue.drain(..k).collect::<Vec<_>>().iter()),
+                        None => {
+                            abandon(&queue);
+                            return LaneEnd::Stopped(at);
+                        }
+                    }
                 }
                 continue;
             }
@@ -190,7 +211,7 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         let Some(trip) = run_batch(shared, &batch).await else {
             abandon(&batch);
             abandon(&queue);
-            return false;
+            return LaneEnd::Stopped(batch[0].delivery.position().map(|p| p.next));
         };
         match trip {
             Trip::Committed(claims) => {
@@ -202,6 +223,8 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
                     };
                     settle(shared, item.delivery, verdict).instrument(item.span)
                 });
+                // Every verdict here committed its position with its effects (or is a
+                // duplicate): a settlement that fails costs a redelivery, never a skip.
                 futures::future::join_all(settlements).await;
             }
             Trip::Cut(k, contended) => {
@@ -224,7 +247,15 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
             }
         }
     }
-    true
+    LaneEnd::Done
+}
+
+/// Whether `delivery` starts a lane stopped at `at` over: it is at or before the position of
+/// the delivery the lane stopped at (a Kafka partition assigned again starts at the stored
+/// position, which never passed that delivery). A lane stopped without a position never
+/// starts over.
+pub(super) fn starts_over<D: Delivery>(at: Option<i64>, delivery: &D) -> bool {
+    matches!((at, delivery.position()), (Some(at), Some(p)) if p.next <= at)
 }
 
 /// Marks the spans of deliveries left unsettled (shutdown or a fatal error): every delivery
@@ -458,6 +489,9 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
 ) -> Option<Verdict> {
     let mut store_failures = 0;
     let mut conflicts = 0;
+    // Set while this message keeps losing lock conflicts: counted in the `contended` gauge
+    // until it leaves this function, however it leaves.
+    let mut _contended: Option<GaugeGuard<'_>> = None;
     loop {
         // The concurrency permit bounds open transactions, so it is held for one trip only,
         // never through a backoff sleep: a lane waiting to retry does not block other lanes.
@@ -517,10 +551,15 @@ async fn claim_and_run<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                 // a growing backoff so the transactions that collided drift apart.
                 conflicts += 1;
                 shared.metrics.contention_retries.increment(1);
-                shared.batch_contended(true);
+                if conflicts == 1 {
+                    // Once per message: a message that keeps losing (a row locked elsewhere
+                    // for long) must not keep batching off for every other lane.
+                    shared.batch_contended(true);
+                    _contended = Some(GaugeGuard::new(&shared.metrics.contended));
+                }
                 let delay = contention_backoff(conflicts);
                 if conflicts % 20 == 0 {
-                    tracing::warn!(conflicts, %error, "still losing lock conflicts; re-running without counting an attempt");
+                    tracing::warn!(conflicts, %error, "still losing lock conflicts; its lane waits; re-running without counting an attempt");
                 } else {
                     tracing::debug!(conflicts, %error, ?delay, "lost a lock conflict; re-running without counting an attempt");
                 }
@@ -775,11 +814,16 @@ fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32
     Some(())
 }
 
+/// Settles `delivery` with the broker as `verdict` says. Returns `false` if its lane must stop
+/// here: the broker did not take a settlement whose position the database does not hold (a
+/// dead letter or a retry of a delivery with a position). The next delivery of the lane would
+/// commit its own position, past this one, and a restart would skip it; stopped, the lane
+/// runs again when the source delivers this one again.
 async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     delivery: D,
     verdict: Verdict,
-) {
+) -> bool {
     let metrics = &shared.metrics;
     let (outcome, settlement, attempt) = match verdict {
         Verdict::Processed(attempt) => {
@@ -812,6 +856,9 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         Settlement::DeadLetter(_) => delivery.position(),
         _ => None,
     };
+    // Processed and duplicate deliveries committed their position with their effects; a
+    // retry or a dead letter did not.
+    let position_pending = !matches!(settlement, Settlement::Ack) && delivery.position().is_some();
     // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
     // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
     // contract allows: the broker redelivers and the inbox deduplicates.
@@ -825,12 +872,18 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         ))),
     };
     if let Err(e) = settled {
+        metrics.ack_failures.increment(1);
+        if position_pending {
+            // Nothing after it on its lane may commit a position past it: stop the lane until
+            // the source delivers this one again (on Kafka: the partition assigned again).
+            tracing::warn!(error = %e, outcome, "the broker did not take the settlement; its lane stops until the message is delivered again");
+            return false;
+        }
         // The database side is final; the broker will redeliver and the inbox deduplicates.
         // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
         // broker connection is flapping).
-        metrics.ack_failures.increment(1);
         tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
-        return;
+        return true;
     }
     tracing::debug!(outcome, "settled");
     if let Some(position) = dead_letter_position {
@@ -840,11 +893,14 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         // before the lane's next message, so positions keep their order. A crash between the
         // broker's confirmation and this commit reads the record once more: its dead letter is
         // recorded already (nothing new is written) and the copy is sent again.
+        //
+        // Forward only: once the broker has the copy, the lane may be someone else's (a Kafka
+        // partition moved on), and a late save must not take its position back.
         let saved = with_store(shared, || async {
             let mut tx = shared.store.begin().await?;
             shared
                 .store
-                .save_position(&mut *tx, &shared.name, &position)
+                .advance_position(&mut *tx, &shared.name, &position)
                 .await?;
             shared.store.commit(tx).await
         })
@@ -853,6 +909,7 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
         }
     }
+    true
 }
 
 /// Runs a handler call: a panic becomes a transient error (its transaction is rolled back by
@@ -881,6 +938,22 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+/// Holds one unit of a gauge while alive.
+struct GaugeGuard<'a>(&'a metrics::Gauge);
+
+impl<'a> GaugeGuard<'a> {
+    fn new(gauge: &'a metrics::Gauge) -> Self {
+        gauge.increment(1.0);
+        GaugeGuard(gauge)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
 }
 
 #[cfg(test)]

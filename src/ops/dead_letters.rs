@@ -61,6 +61,13 @@ pub struct DeadLetterRow {
     pub discarded_at: Option<Timestamp>,
     /// Why it was discarded.
     pub discard_reason: Option<String>,
+    /// The message's size as received (payload bytes); `None` for rows older than the column.
+    pub payload_size: Option<i64>,
+    /// SHA-256 of the payload as received.
+    pub payload_sha256: Option<Vec<u8>>,
+    /// The stored payload or headers are a cut copy (over `dead_letter_payload_limit`): the
+    /// row cannot be republished; the original is in the broker until its retention.
+    pub truncated: bool,
 }
 
 impl DeadLetterRow {
@@ -89,7 +96,7 @@ const COLUMNS: &str = concat!(
     ms!("requeued_at"),
     ", requeue_count, ",
     ms!("discarded_at"),
-    ", discard_reason"
+    ", discard_reason, payload_size, payload_sha256, truncated"
 );
 
 fn from_row(r: &PgRow) -> Result<DeadLetterRow, sqlx::Error> {
@@ -113,6 +120,9 @@ fn from_row(r: &PgRow) -> Result<DeadLetterRow, sqlx::Error> {
         requeue_count: r.try_get(16)?,
         discarded_at: r.try_get::<Option<i64>, _>(17)?.map(Timestamp),
         discard_reason: r.try_get(18)?,
+        payload_size: r.try_get(19)?,
+        payload_sha256: r.try_get(20)?,
+        truncated: r.try_get(21)?,
     })
 }
 

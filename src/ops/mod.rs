@@ -10,12 +10,14 @@
 //! | [`status`] | per-consumer counters and stored positions |
 //! | [`retention`] | purging terminal inbox rows in batches, and the retention horizon |
 //! | [`replay`] | classifying messages against the inbox, moving stored positions |
+//! | [`positions`] | the recorded group, stored positions against the broker's, adopting and setting them |
 //! | [`dead_letters`] | listing, showing, requeueing and discarding dead letters |
 //!
 //! Times are [`Timestamp`]s (milliseconds since the Unix epoch, UTC), so this module needs no
 //! date-time crate.
 
 pub mod dead_letters;
+pub mod positions;
 pub mod replay;
 pub mod retention;
 pub mod status;

@@ -15,10 +15,15 @@
 //! (when they became terminal) is older than the cutoff. Never `retrying` rows: they hold a
 //! message that has not finished. Never a row of a Kafka record at or after the consumer's
 //! stored position in its partition: a (re)starting consumer reads that record again and needs
-//! the row to recognise it. Such rows are a dead letter at the end of a quiet partition (a dead
-//! letter does not move the position, see [`InboxStore::dead_letter`]) and every row a replay
-//! moved the position back over. A purged `dead_lettered` row is like a purged `processed`
-//! one: a redelivery would run the handler. The `dead_letters` table itself is not purged.
+//! the row to recognise it. Such rows are every row a replay moved the position back over, and
+//! a dead letter whose copy the broker has not confirmed yet: recording a dead letter does not
+//! move the position ([`InboxStore::dead_letter`]); the runtime moves it past the record, in a
+//! transaction of its own, once the broker confirmed the dead-letter copy. A purged
+//! `dead_lettered` row is like a purged `processed` one: a redelivery would run the handler.
+//! The `dead_letters` table itself is not purged.
+//!
+//! The window is the **dedup window**: `txinbox purge` refuses one shorter than
+//! [`DEFAULT_WINDOW`] unless forced.
 //!
 //! [`InboxStore::dead_letter`]: crate::InboxStore::dead_letter
 //!
@@ -38,7 +43,8 @@ use sqlx::PgPool;
 
 use super::{ms, Timestamp};
 
-/// Default purge window: 7 days (Kafka's default topic retention).
+/// Default purge window and the documented dedup window: 7 days (Kafka's default topic
+/// retention). `txinbox purge` refuses a shorter one unless `--force`.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Default number of rows deleted per statement.

@@ -35,7 +35,8 @@ const SUMMARY: &str = concat!(
         SELECT DISTINCT consumer FROM txinbox.inbox
         UNION SELECT consumer FROM txinbox.dead_letters
         UNION SELECT consumer FROM txinbox.positions
-        UNION SELECT consumer FROM txinbox.retention)
+        UNION SELECT consumer FROM txinbox.retention
+        UNION SELECT consumer FROM txinbox.subscriptions)
     SELECT n.consumer,
         coalesce(i.processed, 0), coalesce(i.retrying, 0), coalesce(i.dead_lettered, 0),
         coalesce(i.duplicates, 0), coalesce(d.conflicts, 0), coalesce(d.total, 0),

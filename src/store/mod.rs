@@ -110,6 +110,19 @@ pub trait InboxStore: Send + Sync + 'static {
         position: &Position,
     ) -> Result<(), StoreError>;
 
+    /// As [`save_position`](Self::save_position), but never moves a stored position back: for
+    /// a save that may come late, after the lane has moved on elsewhere (the position past a
+    /// dead letter, stored once the broker confirmed its copy). The default saves as
+    /// `save_position` does; the stores of this crate override it.
+    async fn advance_position(
+        &self,
+        conn: &mut Connection<Self>,
+        consumer: &str,
+        position: &Position,
+    ) -> Result<(), StoreError> {
+        self.save_position(conn, consumer, position).await
+    }
+
     /// Counts duplicate deliveries, one per entry (an ID listed twice counts twice), in the
     /// duplicates' transaction (with their position, if any), in one statement whatever the
     /// number of entries. All entries belong to one consumer. Read by operators

@@ -181,6 +181,14 @@ VALUES ($1, $2, $3, $4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = EXCLUDED.next_position, updated_at = now()";
 
+/// [`SAVE_POSITION`] that never moves a stored position back.
+const ADVANCE_POSITION: &str = "\
+INSERT INTO txinbox.positions AS p (consumer, source, lane, next_position)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (consumer, source, lane) DO UPDATE
+    SET next_position = EXCLUDED.next_position, updated_at = now()
+    WHERE p.next_position < EXCLUDED.next_position";
+
 /// Binds an [`Entry`] as `$1`..`$8` (consumer, ID, strategy, fingerprint, system,
 /// destination, partition, offset).
 macro_rules! bind_entry {
@@ -328,6 +336,23 @@ impl InboxStore for PostgresInbox {
         Ok(())
     }
 
+    async fn advance_position(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(ADVANCE_POSITION)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(())
+    }
+
     async fn record_duplicates(
         &self,
         conn: &mut PgConnection,
@@ -380,6 +405,9 @@ impl InboxStore for PostgresInbox {
                 .await
                 .map_err(|e| self.classify(e))?;
                 match Taken::decide(row, entry, r.error)? {
+                    // A message too large to read was fingerprinted by its bytes, which
+                    // cannot be compared with a canonical fingerprint: it stays `too_large`.
+                    Taken::AsConflict(_) if r.reason == DeadLetterReason::TooLarge => {}
                     Taken::AsConflict(text) => {
                         (reason, error, outcome) = (
                             DeadLetterReason::Conflict,

@@ -144,6 +144,15 @@ ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = excluded.next_position,
         updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
+/// [`SAVE_POSITION`] that never moves a stored position back.
+const ADVANCE_POSITION: &str = "\
+INSERT INTO txinbox_positions (consumer, source, lane, next_position)
+VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (consumer, source, lane) DO UPDATE
+    SET next_position = excluded.next_position,
+        updated_at = CAST(unixepoch('subsec') * 1000 AS INTEGER)
+    WHERE txinbox_positions.next_position < excluded.next_position";
+
 /// See the PostgreSQL store's statement of the same name.
 const RECORD_SUBSCRIPTION: &str = "\
 INSERT INTO txinbox_subscriptions (consumer, source_system, source, subscription)
@@ -234,6 +243,23 @@ impl InboxStore for SqliteInbox {
         Ok(())
     }
 
+    async fn advance_position(
+        &self,
+        conn: &mut SqliteConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(ADVANCE_POSITION)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(())
+    }
+
     async fn record_duplicates(
         &self,
         conn: &mut SqliteConnection,
@@ -286,6 +312,9 @@ impl InboxStore for SqliteInbox {
                 .await
                 .map_err(|e| self.classify(e))?;
                 match Taken::decide(row, entry, r.error)? {
+                    // A message too large to read was fingerprinted by its bytes, which
+                    // cannot be compared with a canonical fingerprint: it stays `too_large`.
+                    Taken::AsConflict(_) if r.reason == DeadLetterReason::TooLarge => {}
                     Taken::AsConflict(text) => {
                         (reason, error, outcome) = (
                             DeadLetterReason::Conflict,

@@ -175,3 +175,96 @@ async fn a_statement_timeout_in_the_handler_counts_as_an_attempt() {
         DeadLetterReason::AttemptsExhausted
     );
 }
+
+/// Records the transaction each message ran in; messages with IDs starting `hot` lose a lock
+/// conflict until `hot_for` has passed (a row locked elsewhere for that long).
+struct HotCold {
+    started: Instant,
+    hot_for: Duration,
+}
+
+#[txinbox::async_trait]
+impl txinbox::Handler<sqlx::Postgres> for HotCold {
+    async fn handle(
+        &self,
+        cx: &mut txinbox::Context<'_, sqlx::Postgres>,
+        _msg: &txinbox::Message,
+    ) -> Result<(), HandlerError> {
+        let id = cx.message_id().as_str().to_owned();
+        if id.starts_with("hot") && self.started.elapsed() < self.hot_for {
+            raise(cx.db(), "55P03").await?;
+        }
+        sqlx::query("INSERT INTO tx_of (consumer, id, tx) VALUES ($1, $2, txid_current())")
+            .bind(cx.consumer().to_owned())
+            .bind(id)
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+}
+
+/// One message that keeps losing lock conflicts holds its own lane, not the batching of the
+/// others: the cold lane's messages share transactions as they do without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_keeps_losing_lock_conflicts_does_not_turn_batching_off_for_other_lanes() {
+    let db = TestDb::new(10).await;
+    sqlx::query("CREATE TABLE tx_of (consumer text, id text, tx bigint)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut transactions = Vec::new();
+    for (name, hot) in [("control", false), ("with-hot", true)] {
+        let broker = MemoryBroker::new("payments");
+        if hot {
+            broker.publish_in_lane("hot", "hot-1", "{}");
+        }
+        let feeder = {
+            let broker = broker.clone();
+            tokio::spawn(async move {
+                // Past CONTENTION_COOLDOWN (5 s) after the hot message's first conflict, while
+                // it still loses.
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                for i in 0..300 {
+                    broker.publish_in_lane("cold", format!("cold-{i}"), "{}");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                broker.close();
+            })
+        };
+        Consumer::builder(name)
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(HotCold {
+                started: Instant::now(),
+                hot_for: Duration::from_secs(10),
+            })
+            .batch_linger(Duration::from_millis(50))
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+        feeder.await.unwrap();
+        let txs: i64 = sqlx::query_scalar(
+            "SELECT count(DISTINCT tx) FROM tx_of WHERE consumer = $1 AND id LIKE 'cold-%'",
+        )
+        .bind(name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        transactions.push(txs);
+    }
+    let (control, with_hot) = (transactions[0], transactions[1]);
+    eprintln!("300 cold messages: {control} transactions alone, {with_hot} beside a hot message");
+    // Batching is off for CONTENTION_COOLDOWN (5 s) after the hot message's first conflict,
+    // then grows back while the hot message still loses: well under one transaction each.
+    assert!(
+        with_hot < 150,
+        "{with_hot} transactions for 300 cold messages beside a hot one ({control} alone)"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM tx_of WHERE id = 'hot-1'").await,
+        1,
+        "the hot message ran once its row was free"
+    );
+}

@@ -179,3 +179,34 @@ async fn an_oversized_payload_is_never_parsed_for_its_id() {
         "both deliveries go to the dead letters"
     );
 }
+
+/// With `CanonicalJson`, a processed message read again with headers that now put it over
+/// `max_message_bytes` (the limit lowered, or an `x-death` header grown) is `too_large`, not a
+/// `conflict`: its payload was not parsed, so its fingerprint cannot be compared.
+#[tokio::test]
+async fn a_processed_message_over_the_limit_when_read_again_is_too_large_not_a_conflict() {
+    let db = TestDb::new(10).await;
+    let payload = deposit("alice", 10, "-", 0);
+    for headers in [Headers::new(), Headers::new().with("x-death", "y".repeat(200))] {
+        let broker = MemoryBroker::new("payments");
+        broker.publish_with(None, Some("evt-1".into()), headers, Bytes::from(payload.clone()));
+        broker.close();
+        Consumer::builder("canon-limit")
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(DepositHandler::default())
+            .fingerprint(txinbox::Fingerprint::CanonicalJson)
+            .max_message_bytes(150)
+            .build()
+            .unwrap()
+            .run()
+            .await
+            .unwrap();
+    }
+    let reasons: Vec<String> =
+        sqlx::query_scalar("SELECT reason FROM txinbox.dead_letters WHERE consumer = 'canon-limit'")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(reasons, ["too_large"]);
+}

@@ -10,6 +10,7 @@ mod positions;
 mod spans;
 mod store_health;
 mod support;
+mod upgrade;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

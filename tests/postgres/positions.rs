@@ -1,6 +1,7 @@
 //! Source positions are stored with the effects, and move past a dead letter only once the
 //! broker has its copy; a dead letter read again is not recorded again.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use txinbox::{Capabilities, Delivery, InboxStore, Lane, Message, MessageSource, Origin, Position};
@@ -9,12 +10,12 @@ use txinbox::{RetryMode, SettleError, Settlement, SourceError};
 use super::*;
 
 /// A Kafka-like source: one lane per partition, positions `offset + 1`. Records how each
-/// delivery was settled; with `refuse_dead_letters`, every dead-letter settlement fails (a
+/// delivery was settled; the first `refuse_dead_letters` dead-letter settlements fail (a
 /// dead-letter topic that does not take the copy).
 struct Positioned {
     records: std::vec::IntoIter<(i32, i64, &'static str)>,
     settled: Settlements,
-    refuse_dead_letters: bool,
+    refuse_dead_letters: Arc<AtomicUsize>,
 }
 
 /// `(partition, offset, "ack" | "dead_letter")` per settlement that reached the "broker".
@@ -25,15 +26,21 @@ impl Positioned {
         Positioned {
             records: records.into_iter(),
             settled: Settlements::default(),
-            refuse_dead_letters: false,
+            refuse_dead_letters: Arc::default(),
         }
+    }
+
+    /// The first `n` dead-letter settlements fail.
+    fn refusing_dead_letters(self, n: usize) -> Self {
+        self.refuse_dead_letters.store(n, Ordering::SeqCst);
+        self
     }
 }
 
 struct PositionedDelivery {
     message: Message,
     settled: Settlements,
-    refuse_dead_letters: bool,
+    refuse_dead_letters: Arc<AtomicUsize>,
 }
 
 #[txinbox::async_trait]
@@ -45,7 +52,7 @@ impl MessageSource for Positioned {
             PositionedDelivery {
                 message: Message::new(payload, origin),
                 settled: self.settled.clone(),
-                refuse_dead_letters: self.refuse_dead_letters,
+                refuse_dead_letters: self.refuse_dead_letters.clone(),
             }
         }))
     }
@@ -80,7 +87,12 @@ impl Delivery for PositionedDelivery {
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         let o = self.message.origin();
         let kind = match settlement {
-            Settlement::DeadLetter(_) if self.refuse_dead_letters => {
+            Settlement::DeadLetter(_)
+                if self
+                    .refuse_dead_letters
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok() =>
+            {
                 return Err(SettleError::new("the dead-letter topic refused the copy"))
             }
             Settlement::DeadLetter(_) => "dead_letter",
@@ -233,9 +245,86 @@ async fn a_restart_reads_no_confirmed_dead_letter_again_and_a_reread_records_not
 #[tokio::test]
 async fn a_dead_letter_the_broker_did_not_take_keeps_the_position_before_it() {
     let db = TestDb::new(10).await;
-    let mut source = Positioned::new(vec![(0, 0, ok(0)), (0, 1, "not json")]);
-    source.refuse_dead_letters = true;
+    let source = Positioned::new(vec![(0, 0, ok(0)), (0, 1, "not json")]).refusing_dead_letters(usize::MAX);
     run(&db, "refused", source).await;
     assert_eq!(positions(&db, "refused").await, [("0".into(), 1)]);
     assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
+}
+
+/// As above, with good records after the refused one on its lane: they must not run (their
+/// positions would pass the dead letter's), and must not be acknowledged.
+#[tokio::test]
+async fn records_after_a_refused_dead_letter_do_not_move_the_position_past_it() {
+    let db = TestDb::new(10).await;
+    let source = Positioned::new(vec![
+        (0, 0, ok(0)),
+        (0, 1, "not json"),
+        (0, 2, ok(2)),
+        (0, 3, ok(3)),
+    ])
+    .refusing_dead_letters(usize::MAX);
+    let settled = source.settled.clone();
+    run(&db, "refused-then-good", source).await;
+    assert_eq!(positions(&db, "refused-then-good").await, [("0".into(), 1)]);
+    assert_eq!(
+        *settled.lock().unwrap(),
+        [(0, 0, "ack")],
+        "nothing after the refused copy is settled"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects").await,
+        1,
+        "nothing after it is applied"
+    );
+}
+
+/// After a refused dead letter stopped its lane, the source delivers the lane again from the
+/// stored position (a Kafka partition assigned again): the lane runs again, the copy is sent
+/// again, and everything after it is applied once.
+#[tokio::test]
+async fn a_lane_stopped_by_a_refused_dead_letter_runs_again_when_redelivered_from_its_position() {
+    let db = TestDb::new(10).await;
+    let source = Positioned::new(vec![
+        (0, 0, ok(0)),
+        (0, 1, "not json"),
+        (0, 2, ok(2)),
+        // Assigned again: from the stored position (1).
+        (0, 1, "not json"),
+        (0, 2, ok(2)),
+        (0, 3, ok(3)),
+    ])
+    .refusing_dead_letters(1);
+    let settled = source.settled.clone();
+    run(&db, "stopped-then-again", source).await;
+    assert_eq!(positions(&db, "stopped-then-again").await, [("0".into(), 4)]);
+    assert_eq!(
+        *settled.lock().unwrap(),
+        [(0, 0, "ack"), (0, 1, "dead_letter"), (0, 2, "ack"), (0, 3, "ack")]
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM effects").await, 3);
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 1);
+}
+
+/// Offsets reused (a topic deleted and created again, a mirrored cluster): another record at
+/// an offset that already has a pending dead letter is a different dead letter, recorded too.
+#[tokio::test]
+async fn another_record_at_a_dead_lettered_offset_is_recorded_too() {
+    let db = TestDb::new(10).await;
+    run(&db, "reused", Positioned::new(vec![(0, 5, "garbage one")])).await;
+    run(&db, "reused", Positioned::new(vec![(0, 5, "garbage one")])).await;
+    run(
+        &db,
+        "reused",
+        Positioned::new(vec![(0, 5, "a different garbage record")]),
+    )
+    .await;
+    let payloads: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT payload FROM txinbox.dead_letters WHERE consumer = 'reused' ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        payloads,
+        [b"garbage one".to_vec(), b"a different garbage record".to_vec()]
+    );
 }

@@ -2,7 +2,10 @@
 //! properties.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
+
+use txinbox::redact;
 
 /// Default for [`KafkaConfig::max_buffered_per_partition`].
 pub const DEFAULT_MAX_BUFFERED_PER_PARTITION: usize = 500;
@@ -51,7 +54,10 @@ const OWNED: &[(&str, &str)] = &[
 /// | `enable.auto.commit` | `true` | stored offsets reach the group for lag tools; `false` turns group commits off entirely (the database positions are authoritative either way) |
 /// | `auto.offset.reset` | `earliest` | a partition with neither a database position nor a group offset starts at its beginning |
 /// | `enable.partition.eof` | `false` | |
-#[derive(Debug, Clone)]
+///
+/// `Debug` masks the values of secret properties (`sasl.password`, `ssl.key.pem`, …; see
+/// [`txinbox::redact::is_secret_key`]).
+#[derive(Clone)]
 pub struct KafkaConfig {
     pub(crate) brokers: String,
     pub(crate) group_id: String,
@@ -64,6 +70,113 @@ pub struct KafkaConfig {
     pub(crate) dead_letter_timeout: Duration,
     pub(crate) properties: BTreeMap<String, String>,
     pub(crate) producer_properties: BTreeMap<String, String>,
+    pub(crate) on_missing_position: MissingPosition,
+}
+
+/// Where a partition starts when the database has no position for it but the consumer group
+/// has a committed offset ([`KafkaConfig::on_missing_position`]).
+///
+/// The database is the record of what is done. A group offset without a database position
+/// means the database does not know about records the group has passed: it was restored from a
+/// dump taken before the partition was first processed, or it is a fresh database, or the
+/// service is moving onto txinbox. Starting at the group's offset would skip those records'
+/// effects without a word, so by default the consumer does not guess.
+///
+/// When neither has a position, `auto.offset.reset` applies whatever this says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissingPosition {
+    /// Do not consume the partition: it is assigned but held paused, an ERROR names it, the
+    /// group's offset and the ways out, and the gauge
+    /// [`txinbox_kafka_partitions_blocked`](crate::metrics_names::PARTITIONS_BLOCKED) counts it.
+    /// The source re-reads the database every 2 s: once a position is written (`txinbox
+    /// positions set --to-earliest`, `txinbox positions adopt`), the partition starts there
+    /// without a restart. The default.
+    #[default]
+    Refuse,
+    /// Start at the earliest retained offset: every retained record is applied again; the
+    /// inbox turns those whose rows survived into duplicates. Right after a restore.
+    Earliest,
+    /// Start at the group's committed offset: everything before it counts as done. Right when
+    /// an existing service moves onto txinbox (its effects were applied without it).
+    AdoptGroupOffset,
+}
+
+impl fmt::Display for MissingPosition {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MissingPosition::Refuse => "refuse",
+            MissingPosition::Earliest => "earliest",
+            MissingPosition::AdoptGroupOffset => "adopt",
+        })
+    }
+}
+
+impl std::str::FromStr for MissingPosition {
+    type Err = String;
+
+    /// `refuse`, `earliest` or `adopt`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "refuse" => Ok(MissingPosition::Refuse),
+            "earliest" => Ok(MissingPosition::Earliest),
+            "adopt" | "adopt-group-offset" => Ok(MissingPosition::AdoptGroupOffset),
+            other => Err(format!(
+                "unknown missing-position policy {other:?}: use refuse, earliest or adopt"
+            )),
+        }
+    }
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &redact::url(&self.brokers))
+            .field("group_id", &self.group_id)
+            .field("consumer_name", &self.consumer_name)
+            .field("topics", &self.topics)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("max_buffered_per_partition", &self.max_buffered_per_partition)
+            .field("revoke_timeout", &self.revoke_timeout)
+            .field("close_timeout", &self.close_timeout)
+            .field("dead_letter_timeout", &self.dead_letter_timeout)
+            .field("on_missing_position", &self.on_missing_position)
+            .field("properties", &Properties(&self.properties))
+            .field("producer_properties", &Properties(&self.producer_properties))
+            .finish()
+    }
+}
+
+/// librdkafka properties for `Debug`, secret values masked.
+pub(crate) struct Properties<'a>(pub(crate) &'a BTreeMap<String, String>);
+
+impl fmt::Debug for Properties<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| (k, redact::property(k, v))))
+            .finish()
+    }
+}
+
+/// The text of an error from creating a librdkafka client from `config`, secrets masked:
+/// rdkafka's `Display` of a configuration error quotes the property and its value, and
+/// librdkafka's own messages can quote values too, so every secret value of `config` is
+/// masked wherever it appears.
+pub(crate) fn masked_error(e: &rdkafka::error::KafkaError, config: &rdkafka::ClientConfig) -> String {
+    let mut text = match e {
+        rdkafka::error::KafkaError::ClientConfig(_, desc, key, value) => format!(
+            "client configuration error: {desc} ({key}={})",
+            redact::property(key, value)
+        ),
+        other => other.to_string(),
+    };
+    for (key, value) in config.config_map() {
+        // Very short values would mask ordinary words; no secret is that short.
+        if redact::is_secret_key(key) && value.len() >= 3 {
+            text = text.replace(value, redact::MASK);
+        }
+    }
+    text
 }
 
 impl KafkaConfig {
@@ -90,7 +203,17 @@ impl KafkaConfig {
             dead_letter_timeout: DEFAULT_DEAD_LETTER_TIMEOUT,
             properties: BTreeMap::new(),
             producer_properties: BTreeMap::new(),
+            on_missing_position: MissingPosition::default(),
         }
+    }
+
+    /// Where a partition starts when the database has no position for it and the group has a
+    /// committed offset (a restored or fresh database): [`MissingPosition::Refuse`] (default),
+    /// [`Earliest`](MissingPosition::Earliest) or
+    /// [`AdoptGroupOffset`](MissingPosition::AdoptGroupOffset).
+    pub fn on_missing_position(mut self, policy: MissingPosition) -> Self {
+        self.on_missing_position = policy;
+        self
     }
 
     /// Adds a topic to subscribe to.
@@ -132,8 +255,10 @@ impl KafkaConfig {
     }
 
     /// How long one attempt to produce a dead letter may take (the producer's
-    /// `message.timeout.ms`). The attempt is repeated while the partition stays assigned; the
-    /// original offset is stored only once a dead letter is confirmed. Default: 30 s.
+    /// `message.timeout.ms`). After a transient failure the attempt is repeated while the
+    /// partition stays assigned; the original offset is stored only once a dead letter is
+    /// confirmed, or refused for good (then the database's dead-letter row is the record).
+    /// Default: 30 s.
     pub fn dead_letter_timeout(mut self, timeout: Duration) -> Self {
         self.dead_letter_timeout = timeout;
         self
@@ -215,7 +340,10 @@ impl KafkaConfig {
                 if *key == "enable.auto.offset.store" && v == "false" {
                     continue;
                 }
-                return Err(format!("property {key}={v} cannot be set: {why}"));
+                return Err(format!(
+                    "property {key}={} cannot be set: {why}",
+                    redact::property(key, v)
+                ));
             }
         }
         let max_poll_ms = match self.properties.get("max.poll.interval.ms") {

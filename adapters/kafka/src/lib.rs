@@ -33,10 +33,16 @@
 //! |---|---|
 //! | crash after the database commit, before the offset commit | the restart resumes at the database position: nothing re-applied, nothing skipped |
 //! | database restored from a backup | the restart resumes where the restored database ends: the lost messages are applied again, once |
+//! | a partition the group has committed but the database has no position for (a dump taken before it was first processed, a fresh database) | by [`KafkaConfig::on_missing_position`]: held with an ERROR until a position is written (default, [`MissingPosition::Refuse`]), or from the earliest offset, or from the group's offset; never silently skipped |
+//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`) |
 //! | rebalance (eager or cooperative-sticky) | revoked partitions stop, drain (bounded), commit, then move; the new owner starts at the database position |
 //! | offset commit fails (`REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION`, `_STATE`, broker down) | logged at info; the database position decides where the next owner starts |
 //! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
 //! | handler error: permanent, undecodable payload, attempts exhausted | dead letter on `<topic>.dlq` with `txinbox.dlq.*` headers, confirmed before the offset is stored; the partition moves on |
+//! | dead letter too large for the dead-letter topic | a copy without the payload (size and SHA-256 in headers), then without the original headers too; the partition moves on |
+//! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`metrics_names::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
+//! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`metrics_names::DEAD_LETTERS_WAITING`] and a WARN with the partition |
+//! | two consumer groups under one consumer name | the source stops with a fatal error (they would share one inbox and skip each other's messages) |
 //! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
 //!
 //! # Limits
@@ -46,15 +52,18 @@
 //!   two consumer names (and two group ids).
 //! - Loading positions at assignment retries while the database is down (fail closed); if that
 //!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
+//! - `Debug` output and client-creation errors mask secret property values
+//!   ([`txinbox::redact`]).
 
 mod config;
+mod produce;
 mod publisher;
 mod source;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION,
-    DEFAULT_REVOKE_TIMEOUT,
+    KafkaConfig, MissingPosition, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
+    DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::{KafkaDelivery, KafkaSource, PositionStore};
@@ -75,6 +84,17 @@ pub mod headers {
     pub const TIMESTAMP: &str = "txinbox.dlq.original.timestamp";
     /// The txinbox consumer name that dead-lettered the record.
     pub const CONSUMER: &str = "txinbox.dlq.consumer";
+    /// `omitted` when the copy carries no payload: the whole record was too large for the
+    /// dead-letter producer or topic. [`ORIGINAL_SIZE`] and [`ORIGINAL_SHA256`] describe it;
+    /// the database's `txinbox.dead_letters` row holds the payload (up to its cap).
+    pub const PAYLOAD: &str = "txinbox.dlq.payload";
+    /// `omitted` when the copy does not carry the original record's headers either (still too
+    /// large without the payload).
+    pub const HEADERS: &str = "txinbox.dlq.headers";
+    /// The original payload's size in bytes (decimal), when the payload is omitted.
+    pub const ORIGINAL_SIZE: &str = "txinbox.dlq.original.size";
+    /// The SHA-256 of the original payload (lowercase hex), when the payload is omitted.
+    pub const ORIGINAL_SHA256: &str = "txinbox.dlq.original.sha256";
 }
 
 /// Metric names this crate records (through the `metrics` facade).
@@ -85,4 +105,21 @@ pub mod metrics_names {
     pub const PAUSES: &str = "txinbox_kafka_partition_pauses_total";
     /// Counter, label `topic`: dead letters produced and confirmed.
     pub const DEAD_LETTERS_PRODUCED: &str = "txinbox_kafka_dead_letters_produced_total";
+    /// Counter, labels `topic` (the dead-letter topic) and `form` (`payload_omitted`,
+    /// `headers_omitted`): dead letters confirmed in a reduced form because the whole record
+    /// was too large (see [`headers::PAYLOAD`](crate::headers::PAYLOAD)).
+    pub const DEAD_LETTERS_REDUCED: &str = "txinbox_kafka_dead_letters_reduced_total";
+    /// Counter, labels `topic` (the dead-letter topic) and `code`: dead letters the topic
+    /// refused for good (authorization, invalid topic, still too large without payload and
+    /// headers). The database's dead-letter row is the record; the partition goes on. Alert
+    /// on any increase.
+    pub const DEAD_LETTERS_REFUSED: &str = "txinbox_kafka_dead_letters_refused_total";
+    /// Gauge, label `topic` (the dead-letter topic): dead letters waiting for the topic after a
+    /// transient produce failure (broker down, timeout). Each holds its partition (fail
+    /// closed) until it is confirmed or the partition is revoked. Alert when it stays above 0.
+    pub const DEAD_LETTERS_WAITING: &str = "txinbox_kafka_dead_letters_waiting";
+    /// Gauge, labels `consumer` and `topic`: partitions held because the group has a committed
+    /// offset and the database no position for them
+    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)). Alert when above 0.
+    pub const PARTITIONS_BLOCKED: &str = "txinbox_kafka_partitions_blocked";
 }

@@ -11,6 +11,9 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
+use crate::config::{masked_error, Properties};
+use crate::produce;
+
 /// Default for [`KafkaPublisher::delivery_timeout`].
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -62,12 +65,23 @@ impl fmt::Debug for KafkaPublisher {
     }
 }
 
-/// Builds a [`KafkaPublisher`].
-#[derive(Debug, Clone)]
+/// Builds a [`KafkaPublisher`]. Its `Debug` output masks secret property values
+/// ([`txinbox::redact`]).
+#[derive(Clone)]
 pub struct KafkaPublisherBuilder {
     brokers: String,
     delivery_timeout: Duration,
     properties: BTreeMap<String, String>,
+}
+
+impl fmt::Debug for KafkaPublisherBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisherBuilder")
+            .field("brokers", &txinbox::redact::url(&self.brokers))
+            .field("delivery_timeout", &self.delivery_timeout)
+            .field("properties", &Properties(&self.properties))
+            .finish()
+    }
 }
 
 impl KafkaPublisher {
@@ -98,7 +112,8 @@ impl KafkaPublisher {
         let fresh: FutureProducer = match self.config.create() {
             Ok(p) => p,
             Err(e) => {
-                tracing::error!(error = %e, "the Kafka producer failed fatally and a new one could not be created; retrying on the next publish");
+                let error = masked_error(&e, &self.config);
+                tracing::error!(%error, "the Kafka producer failed fatally and a new one could not be created; retrying on the next publish");
                 return;
             }
         };
@@ -147,7 +162,8 @@ impl KafkaPublisherBuilder {
         for (key, why) in OWNED {
             if let Some(v) = self.properties.get(*key) {
                 return Err(txinbox::Error::Config(format!(
-                    "KafkaPublisher: property {key}={v} cannot be set: {why}"
+                    "KafkaPublisher: property {key}={} cannot be set: {why}",
+                    txinbox::redact::property(key, v)
                 )));
             }
         }
@@ -164,7 +180,10 @@ impl KafkaPublisherBuilder {
             c.set(k, v);
         }
         let producer: FutureProducer = c.create().map_err(|e| {
-            txinbox::Error::Config(format!("KafkaPublisher: creating the producer failed: {e}"))
+            txinbox::Error::Config(format!(
+                "KafkaPublisher: creating the producer failed: {}",
+                masked_error(&e, &c)
+            ))
         })?;
         Ok(KafkaPublisher {
             config: c,
@@ -174,28 +193,16 @@ impl KafkaPublisherBuilder {
     }
 }
 
-fn permanent(code: RDKafkaErrorCode) -> bool {
-    use RDKafkaErrorCode as C;
-    matches!(
-        code,
-        C::MessageSizeTooLarge
-            | C::InvalidMessageSize
-            | C::InvalidRecord
-            | C::TopicAuthorizationFailed
-            | C::InvalidTopic
-            | C::InvalidRequiredAcks
-    )
-}
-
 fn classify(e: KafkaError, message: &OutboxMessage) -> PublishError {
     let text = format!(
         "publishing {} to Kafka topic {} failed: {e}",
         message.message_id(),
         message.destination()
     );
-    match e.rdkafka_error_code() {
-        Some(code) if permanent(code) => PublishError::permanent(text),
-        _ => PublishError::transient(text),
+    if produce::classify(&e).is_permanent() {
+        PublishError::permanent(text)
+    } else {
+        PublishError::transient(text)
     }
 }
 

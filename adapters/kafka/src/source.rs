@@ -21,7 +21,8 @@ use txinbox::{
     Origin, Position, RetryMode, SettleError, Settlement, SourceError, StoreError,
 };
 
-use crate::config::KafkaConfig;
+use crate::config::{masked_error, KafkaConfig, MissingPosition};
+use crate::produce::{self, Failure};
 use crate::tracker::{Generation, Partition};
 use crate::{headers, metrics_names};
 
@@ -29,6 +30,13 @@ use crate::{headers, metrics_names};
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// How long one attempt to load database positions may take during an assignment.
 const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often the database positions of blocked partitions are read again.
+const BLOCKED_RECHECK: Duration = Duration::from_secs(2);
+/// How long one attempt to read the group's committed offsets may take during an assignment.
+const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
+/// A dead letter waiting on a transient failure logs a warning on its first failure and then
+/// on every this many.
+const DEAD_LETTER_WARN_EVERY: u32 = 10;
 
 /// Where a source reads the positions its consumer stored with its effects.
 ///
@@ -42,6 +50,20 @@ pub trait PositionStore: Send + Sync + 'static {
         consumer: &'a str,
         topic: &'a str,
     ) -> BoxFuture<'a, Result<Vec<(String, i64)>, StoreError>>;
+
+    /// Records that `consumer` reads `topic` of `system` (`kafka`) through consumer group
+    /// `group`; returns the group already recorded when it is a different one (see
+    /// [`InboxStore::record_subscription`]). The default records nothing.
+    fn record_subscription<'a>(
+        &'a self,
+        consumer: &'a str,
+        system: &'a str,
+        topic: &'a str,
+        group: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, StoreError>> {
+        let _ = (consumer, system, topic, group);
+        Box::pin(async { Ok(None) })
+    }
 }
 
 impl<S: InboxStore> PositionStore for S {
@@ -51,6 +73,16 @@ impl<S: InboxStore> PositionStore for S {
         topic: &'a str,
     ) -> BoxFuture<'a, Result<Vec<(String, i64)>, StoreError>> {
         self.load_positions(consumer, topic)
+    }
+
+    fn record_subscription<'a>(
+        &'a self,
+        consumer: &'a str,
+        system: &'a str,
+        topic: &'a str,
+        group: &'a str,
+    ) -> BoxFuture<'a, Result<Option<String>, StoreError>> {
+        InboxStore::record_subscription(self, consumer, system, topic, group)
     }
 }
 
@@ -64,9 +96,12 @@ impl<S: InboxStore> PositionStore for S {
 ///   and synchronously on revocation and close.
 /// - **Positions**: [`Delivery::position`] is `(topic, partition, offset + 1)`, which the runtime
 ///   stores with the effects. On assignment each partition starts at the database position when
-///   there is one, else at the group's committed offset, else at `auto.offset.reset`. That makes
-///   a crash between the database commit and the offset commit, and a database restore, resume
-///   exactly where the database's state ends.
+///   there is one. That makes a crash between the database commit and the offset commit, and a
+///   database restore, resume exactly where the database's state ends. Without one: at
+///   `auto.offset.reset` when the group has no committed offset either, else as
+///   [`KafkaConfig::on_missing_position`] says (default: hold the partition until a position is
+///   written). The consumer group is recorded with the consumer name on assignment; another
+///   group already recorded for the name stops the source.
 /// - **Rebalances** (eager and cooperative-sticky) run on the poller thread: a revocation stops
 ///   handing out the revoked partitions' messages, waits up to
 ///   [`revoke_timeout`](KafkaConfig::revoke_timeout) for their in-flight messages, stores and
@@ -76,7 +111,9 @@ impl<S: InboxStore> PositionStore for S {
 ///   unsettled messages is paused, and resumed at half of that; the poller keeps polling.
 /// - **Dead letters** go to `<topic>.dlq` (or the configured topic) with the original key,
 ///   payload and headers plus `txinbox.dlq.*` headers ([`headers`](crate::headers)); the
-///   original offset is stored only after the broker confirmed the dead letter.
+///   original offset is stored only after the broker confirmed the dead letter. Too large: a
+///   copy without the payload, then without the original headers. Refused for good: logged,
+///   counted, settled (the database's row is the record). Transient: retried while assigned.
 pub struct KafkaSource {
     shared: Arc<Shared>,
     rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,
@@ -101,15 +138,27 @@ struct Shared {
     /// Set by `close` or drop: the poller leaves its loop.
     stop: AtomicBool,
     producer: FutureProducer,
+    /// A reason to stop the consumer found inside a rebalance callback (which cannot return
+    /// one); the poller hands it to `receive`.
+    fatal: Mutex<Option<String>>,
 }
 
-#[derive(Default)]
 struct State {
     partitions: HashMap<Arc<str>, HashMap<i32, Partition>>,
     next_epoch: u64,
+    /// The consumer name (a label of the blocked-partitions gauge).
+    consumer: Arc<str>,
 }
 
 impl State {
+    fn new(consumer: &str) -> Self {
+        State {
+            partitions: HashMap::new(),
+            next_epoch: 0,
+            consumer: consumer.into(),
+        }
+    }
+
     fn get_mut(&mut self, topic: &str, partition: i32) -> Option<&mut Partition> {
         self.partitions.get_mut(topic)?.get_mut(&partition)
     }
@@ -120,7 +169,57 @@ impl State {
         if parts.is_empty() {
             self.partitions.remove(topic);
         }
+        if let Some(p) = &p {
+            self.set_blocked(p, false);
+        }
         p
+    }
+
+    /// Forgets every partition (eager rebalance).
+    fn clear(&mut self) {
+        let all: Vec<Partition> = self
+            .partitions
+            .drain()
+            .flat_map(|(_, parts)| parts.into_values())
+            .collect();
+        for p in &all {
+            self.set_blocked(p, false);
+        }
+    }
+
+    /// Counts `p` into (`true`) or out of (`false`, only if it was blocked) the
+    /// blocked-partitions gauge.
+    fn set_blocked(&self, p: &Partition, blocked: bool) {
+        if !blocked && p.blocked.is_none() {
+            return;
+        }
+        self.count_blocked(&p.topic, blocked);
+    }
+
+    fn count_blocked(&self, topic: &str, blocked: bool) {
+        let gauge = metrics::gauge!(
+            metrics_names::PARTITIONS_BLOCKED,
+            "consumer" => self.consumer.to_string(),
+            "topic" => topic.to_owned()
+        );
+        if blocked {
+            gauge.increment(1.0);
+        } else {
+            gauge.decrement(1.0);
+        }
+    }
+
+    /// The blocked partitions, by topic.
+    fn blocked(&self) -> Vec<(Arc<str>, i32)> {
+        self.partitions
+            .iter()
+            .flat_map(|(t, parts)| {
+                parts
+                    .iter()
+                    .filter(|(_, p)| p.blocked.is_some())
+                    .map(|(n, _)| (t.clone(), *n))
+            })
+            .collect()
     }
 }
 
@@ -164,16 +263,20 @@ impl KafkaSource {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             txinbox::Error::Config("KafkaSource::new must be called inside a Tokio runtime".into())
         })?;
-        let producer: FutureProducer = config
-            .producer_config()
-            .create()
-            .map_err(|e| txinbox::Error::Config(format!("creating the dead-letter producer failed: {e}")))?;
+        let producer_config = config.producer_config();
+        let producer: FutureProducer = producer_config.create().map_err(|e| {
+            txinbox::Error::Config(format!(
+                "creating the dead-letter producer failed: {}",
+                masked_error(&e, &producer_config)
+            ))
+        })?;
         let shared = Arc::new(Shared {
             config: config.clone(),
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::new(&config.consumer_name)),
             settled: Condvar::new(),
             stop: AtomicBool::new(false),
             producer,
+            fatal: Mutex::new(None),
         });
         let context = PollerContext {
             shared: shared.clone(),
@@ -181,10 +284,14 @@ impl KafkaSource {
             runtime,
             last_error: Mutex::new(String::new()),
         };
-        let consumer: BaseConsumer<PollerContext> = config
-            .consumer_config()
-            .create_with_context(context)
-            .map_err(|e| txinbox::Error::Config(format!("creating the Kafka consumer failed: {e}")))?;
+        let consumer_config = config.consumer_config();
+        let consumer: BaseConsumer<PollerContext> =
+            consumer_config.create_with_context(context).map_err(|e| {
+                txinbox::Error::Config(format!(
+                    "creating the Kafka consumer failed: {}",
+                    masked_error(&e, &consumer_config)
+                ))
+            })?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&topics)
@@ -337,33 +444,74 @@ impl KafkaDelivery {
         ))
     }
 
-    /// Produces the dead letter and waits for the broker's confirmation, retrying while the
-    /// partition stays assigned.
+    /// Produces the dead letter and waits for the broker's confirmation.
+    ///
+    /// - Too large for the producer or the topic: the copy leaves the payload out, then the
+    ///   original headers too, with headers saying so ([`headers::PAYLOAD`]).
+    /// - Refused for good (authorization, invalid topic, still too large): logged at ERROR,
+    ///   counted ([`metrics_names::DEAD_LETTERS_REFUSED`]) and settled: the runtime has
+    ///   already recorded the dead letter in the database, which is the record; the partition
+    ///   goes on.
+    /// - Transient: retried while the partition stays assigned (fail closed), counted in the
+    ///   gauge [`metrics_names::DEAD_LETTERS_WAITING`] and logged with the partition on the
+    ///   first failure and every [`DEAD_LETTER_WARN_EVERY`] after it.
     async fn produce_dead_letter(&self, dl: &DeadLetter) -> Result<(), SettleError> {
         let config = &self.shared.config;
         let topic = config.dead_letter_topic_for(&self.topic);
+        let mut form = Form::Whole;
+        let mut digest: Option<(String, String)> = None;
         let mut failures: u32 = 0;
+        let mut waiting: Option<Waiting> = None;
         loop {
-            let error = match self
-                .shared
-                .producer
-                .send_result(self.dead_letter_record(&topic, dl))
-            {
-                Ok(delivery) => {
-                    let wait = config.dead_letter_timeout + Duration::from_secs(5);
-                    match tokio::time::timeout(wait, delivery).await {
-                        Ok(Ok(Ok(_))) => {
-                            metrics::counter!(metrics_names::DEAD_LETTERS_PRODUCED, "topic" => topic.clone())
-                                .increment(1);
-                            return Ok(());
-                        }
-                        Ok(Ok(Err((e, _)))) => e.to_string(),
-                        Ok(Err(_)) => "the dead-letter producer was dropped".to_string(),
-                        Err(_) => format!("no delivery report within {wait:?}"),
+            if form != Form::Whole && digest.is_none() {
+                let payload = self.message.payload();
+                digest = Some((payload.len().to_string(), sha256_hex(payload)));
+            }
+            let (failure, error, code) = match self.try_produce(&topic, dl, form, digest.as_ref()).await {
+                Ok(()) => {
+                    metrics::counter!(metrics_names::DEAD_LETTERS_PRODUCED, "topic" => topic.clone())
+                        .increment(1);
+                    if form != Form::Whole {
+                        metrics::counter!(metrics_names::DEAD_LETTERS_REDUCED, "topic" => topic.clone(), "form" => form.name())
+                            .increment(1);
                     }
+                    if failures > 0 {
+                        tracing::info!(dead_letter_topic = %topic, topic = %self.topic, partition = self.partition, offset = self.offset, failures, "dead letter confirmed after transient failures; the partition goes on");
+                    }
+                    return Ok(());
                 }
-                Err((e, _)) => e.to_string(),
+                Err(failed) => failed,
             };
+            match failure {
+                Failure::TooLarge if form.smaller().is_some() => {
+                    let smaller = form.smaller().unwrap_or(form);
+                    tracing::warn!(
+                        dead_letter_topic = %topic,
+                        topic = %self.topic,
+                        partition = self.partition,
+                        offset = self.offset,
+                        %error,
+                        form = smaller.name(),
+                        "the dead letter is too large for the dead-letter topic; sending a reduced copy (the database's dead_letters row keeps the payload)"
+                    );
+                    form = smaller;
+                    continue;
+                }
+                Failure::TooLarge | Failure::Refused => {
+                    tracing::error!(
+                        dead_letter_topic = %topic,
+                        topic = %self.topic,
+                        partition = self.partition,
+                        offset = self.offset,
+                        %error,
+                        "the dead-letter topic refused the dead letter for good; the database's dead_letters row is its record and the partition goes on; fix the topic (ACLs, name, max.message.bytes) and requeue it from the database if needed"
+                    );
+                    metrics::counter!(metrics_names::DEAD_LETTERS_REFUSED, "topic" => topic.clone(), "code" => code)
+                        .increment(1);
+                    return Ok(());
+                }
+                Failure::Transient => {}
+            }
             failures += 1;
             if self.shared.stopping()
                 || !self
@@ -375,19 +523,72 @@ impl KafkaDelivery {
                     self.offset, self.topic, self.partition
                 )));
             }
+            if waiting.is_none() {
+                waiting = Some(Waiting::new(topic.clone()));
+            }
             let delay = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
-            tracing::warn!(%topic, %error, ?delay, "producing a dead letter failed; retrying");
+            if failures == 1 || failures.is_multiple_of(DEAD_LETTER_WARN_EVERY) {
+                tracing::warn!(
+                    dead_letter_topic = %topic,
+                    topic = %self.topic,
+                    partition = self.partition,
+                    offset = self.offset,
+                    %error,
+                    failures,
+                    "producing a dead letter failed; the partition waits for it (fail closed) and it is retried"
+                );
+            } else {
+                tracing::debug!(dead_letter_topic = %topic, %error, failures, ?delay, "producing a dead letter failed; retrying");
+            }
             tokio::time::sleep(delay).await;
         }
     }
 
-    fn dead_letter_record<'a>(&'a self, topic: &'a str, dl: &'a DeadLetter) -> FutureRecord<'a, [u8], [u8]> {
-        let mut h = OwnedHeaders::new_with_capacity(self.message.headers().len() + 7);
-        for (key, value) in self.message.headers().iter() {
-            h = h.insert(Header {
-                key,
-                value: Some(value),
-            });
+    /// One attempt: `Err((how it failed, error text))`.
+    async fn try_produce(
+        &self,
+        topic: &str,
+        dl: &DeadLetter,
+        form: Form,
+        digest: Option<&(String, String)>,
+    ) -> Result<(), (Failure, String, String)> {
+        let failed = |e: KafkaError| {
+            let code = e
+                .rdkafka_error_code()
+                .map_or_else(|| "none".to_owned(), |c| format!("{c:?}"));
+            (produce::classify(&e), e.to_string(), code)
+        };
+        let record = self.dead_letter_record(topic, dl, form, digest);
+        let delivery = self
+            .shared
+            .producer
+            .send_result(record)
+            .map_err(|(e, _)| failed(e))?;
+        let wait = self.shared.config.dead_letter_timeout + Duration::from_secs(5);
+        let transient = |text: String| (Failure::Transient, text, "none".to_owned());
+        match tokio::time::timeout(wait, delivery).await {
+            Ok(Ok(Ok(_))) => Ok(()),
+            Ok(Ok(Err((e, _)))) => Err(failed(e)),
+            Ok(Err(_)) => Err(transient("the dead-letter producer was dropped".to_owned())),
+            Err(_) => Err(transient(format!("no delivery report within {wait:?}"))),
+        }
+    }
+
+    fn dead_letter_record<'a>(
+        &'a self,
+        topic: &'a str,
+        dl: &'a DeadLetter,
+        form: Form,
+        digest: Option<&'a (String, String)>,
+    ) -> FutureRecord<'a, [u8], [u8]> {
+        let mut h = OwnedHeaders::new_with_capacity(self.message.headers().len() + 11);
+        if form != Form::HeadersOmitted {
+            for (key, value) in self.message.headers().iter() {
+                h = h.insert(Header {
+                    key,
+                    value: Some(value),
+                });
+            }
         }
         let partition = self.partition.to_string();
         let offset = self.offset.to_string();
@@ -407,14 +608,96 @@ impl KafkaDelivery {
                 value: Some(value.as_bytes()),
             });
         }
-        let mut record = FutureRecord::to(topic)
-            .payload(self.message.payload().as_ref())
-            .headers(h);
+        if form != Form::Whole {
+            let (size, sha256) = match digest {
+                Some((size, sha256)) => (size.as_str(), sha256.as_str()),
+                None => ("", ""),
+            };
+            for (key, value) in [
+                (headers::PAYLOAD, "omitted"),
+                (headers::ORIGINAL_SIZE, size),
+                (headers::ORIGINAL_SHA256, sha256),
+            ] {
+                h = h.insert(Header {
+                    key,
+                    value: Some(value.as_bytes()),
+                });
+            }
+        }
+        if form == Form::HeadersOmitted {
+            h = h.insert(Header {
+                key: headers::HEADERS,
+                value: Some("omitted".as_bytes()),
+            });
+        }
+        let mut record = FutureRecord::to(topic).headers(h);
+        if form == Form::Whole {
+            record = record.payload(self.message.payload().as_ref());
+        }
         if let Some(key) = self.message.key() {
             record = record.key(key.as_ref());
         }
         record
     }
+}
+
+/// The form of a dead-letter copy: whole, or cut down because the whole one was too large.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// Key, payload and headers of the original, plus the `txinbox.dlq.*` headers.
+    Whole,
+    /// Without the payload; its size and SHA-256 in headers.
+    PayloadOmitted,
+    /// Without the payload and the original headers.
+    HeadersOmitted,
+}
+
+impl Form {
+    fn smaller(self) -> Option<Form> {
+        match self {
+            Form::Whole => Some(Form::PayloadOmitted),
+            Form::PayloadOmitted => Some(Form::HeadersOmitted),
+            Form::HeadersOmitted => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Form::Whole => "whole",
+            Form::PayloadOmitted => "payload_omitted",
+            Form::HeadersOmitted => "headers_omitted",
+        }
+    }
+}
+
+/// One dead letter counted in [`metrics_names::DEAD_LETTERS_WAITING`] while it lives (also
+/// when the settlement is dropped: shutdown, revocation).
+struct Waiting {
+    topic: String,
+}
+
+impl Waiting {
+    fn new(topic: String) -> Self {
+        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => topic.clone()).increment(1.0);
+        Waiting { topic }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => self.topic.clone()).decrement(1.0);
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    use std::fmt::Write as _;
+    let digest = sha2::Sha256::digest(bytes);
+    let mut hex = String::with_capacity(64);
+    for b in digest {
+        let _ = write!(hex, "{b:02x}");
+    }
+    hex
 }
 
 #[async_trait]
@@ -478,7 +761,9 @@ impl Drop for KafkaDelivery {
             let mut state = self.shared.lock();
             match state.get_mut(&self.topic, self.partition) {
                 Some(p) if p.epoch() == self.generation.epoch => p.abandon(self.offset),
-                _ => {}
+                // Revoked already: no tracker, but the later deliveries of this assignment
+                // still in the runtime must not report positions past this one.
+                _ => self.generation.abandon(self.offset),
             }
         }
         self.shared.settled.notify_all();
@@ -543,24 +828,61 @@ impl PollerContext {
     fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, cooperative: bool) {
         metrics::counter!(metrics_names::REBALANCES, "kind" => "assign").increment(1);
         let mut tpl = tpl.clone();
+        let config = &self.shared.config;
         let topics: BTreeSet<String> = tpl.elements().iter().map(|e| e.topic().to_owned()).collect();
+        // The rebalance must be completed with an (empty) assignment when it is not taken:
+        // returning without one leaves librdkafka waiting for the assign call, and then closing
+        // the consumer never finishes.
+        let take_nothing = || {
+            let nothing = TopicPartitionList::new();
+            let done = if cooperative {
+                consumer.incremental_assign(&nothing)
+            } else {
+                consumer.assign(&nothing)
+            };
+            if let Err(e) = done {
+                tracing::info!(error = %e, "completing the rebalance with an empty assignment failed");
+            }
+        };
+        for topic in &topics {
+            let group = config.group_id.clone();
+            let Some(recorded) = self.store_call(
+                topic,
+                "recording the consumer group",
+                move |store, consumer, topic| {
+                    let group = group.clone();
+                    Box::pin(async move {
+                        store
+                            .record_subscription(&consumer, "kafka", &topic, &group)
+                            .await
+                    })
+                },
+            ) else {
+                tracing::info!("stopping: assignment not taken");
+                take_nothing();
+                return;
+            };
+            if let Some(other) = recorded {
+                let text = format!(
+                    "consumer {:?} reads topic {topic:?} through consumer group {other:?} (recorded in the database), not {:?}: two groups under one consumer name share one inbox and one set of positions, and each would skip the other's messages as duplicates. Give this service its own consumer name, or move the consumer to the new group on purpose with `txinbox positions rebind`",
+                    config.consumer_name, config.group_id
+                );
+                tracing::error!(error = %text, "refusing the assignment");
+                *self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(text);
+                take_nothing();
+                return;
+            }
+        }
         let mut from_db = Vec::new();
         let mut starts: HashMap<(String, i32), i64> = HashMap::new();
         for topic in &topics {
-            let Some(positions) = self.load_positions(topic) else {
-                // Stopping. The rebalance must still be completed with an (empty) assignment:
-                // returning without one leaves librdkafka waiting for the assign call, and then
-                // closing the consumer never finishes.
+            let Some(positions) =
+                self.store_call(topic, "loading database positions", |store, consumer, topic| {
+                    Box::pin(async move { store.load(&consumer, &topic).await })
+                })
+            else {
                 tracing::info!("stopping: assignment not taken");
-                let nothing = TopicPartitionList::new();
-                let done = if cooperative {
-                    consumer.incremental_assign(&nothing)
-                } else {
-                    consumer.assign(&nothing)
-                };
-                if let Err(e) = done {
-                    tracing::info!(error = %e, "completing the rebalance with an empty assignment failed");
-                }
+                take_nothing();
                 return;
             };
             for (lane, next) in positions {
@@ -577,15 +899,17 @@ impl PollerContext {
                 }
             }
         }
+        let blocked = self.without_position(consumer, &mut tpl, &starts);
         let assigned: Vec<String> = tpl
             .elements()
             .iter()
             .map(|e| format!("{}/{}", e.topic(), e.partition()))
             .collect();
+        let mut hold = TopicPartitionList::new();
         {
             let mut state = self.shared.lock();
             if !cooperative {
-                state.partitions.clear();
+                state.clear();
             }
             for e in tpl.elements() {
                 state.next_epoch += 1;
@@ -598,11 +922,19 @@ impl PollerContext {
                     // the database commit and the offset commit even if nothing new arrives.
                     partition.start_at(*next);
                 }
-                state
+                if let Some(group_offset) = blocked.get(&(e.topic().to_owned(), e.partition())) {
+                    partition.blocked = Some(*group_offset);
+                    state.set_blocked(&partition, true);
+                    hold.add_partition(e.topic(), e.partition());
+                }
+                if let Some(old) = state
                     .partitions
                     .entry(topic)
                     .or_default()
-                    .insert(e.partition(), partition);
+                    .insert(e.partition(), partition)
+                {
+                    state.set_blocked(&old, false);
+                }
             }
         }
         let result = if cooperative {
@@ -613,15 +945,135 @@ impl PollerContext {
         if let Err(e) = result {
             tracing::warn!(error = %e, "assigning partitions failed");
         }
-        // Paused partitions stay paused across reassignment: start every new one resumed.
+        // Paused partitions stay paused across reassignment: start every new one resumed,
+        // except those held for a missing database position.
         if let Err(e) = consumer.resume(&tpl) {
             tracing::debug!(error = %e, "resuming newly assigned partitions failed");
+        }
+        if hold.count() > 0 {
+            if let Err(e) = consumer.pause(&hold) {
+                tracing::warn!(error = %e, "pausing partitions without a database position failed; their messages are dropped until they have one");
+            }
         }
         tracing::info!(
             partitions = ?assigned,
             from_database = ?from_db,
-            "partitions assigned (others start at the group's offset, else auto.offset.reset)"
+            held = hold.count(),
+            "partitions assigned (those without a database position: see on_missing_position)"
         );
+    }
+
+    /// Decides where the partitions of `tpl` without a database position start, by
+    /// [`KafkaConfig::on_missing_position`], and sets it in `tpl`. Returns the partitions to
+    /// hold (`Refuse`), with the group's offset (`None`: it could not be read).
+    fn without_position(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        tpl: &mut TopicPartitionList,
+        starts: &HashMap<(String, i32), i64>,
+    ) -> HashMap<(String, i32), Option<i64>> {
+        let config = &self.shared.config;
+        let policy = config.on_missing_position;
+        let mut missing = TopicPartitionList::new();
+        for e in tpl.elements() {
+            if !starts.contains_key(&(e.topic().to_owned(), e.partition())) {
+                missing.add_partition(e.topic(), e.partition());
+            }
+        }
+        let mut blocked = HashMap::new();
+        if missing.count() == 0 || policy == MissingPosition::AdoptGroupOffset {
+            // Adopt: the group's committed offset, else auto.offset.reset (librdkafka's own
+            // choice for an assignment without an offset).
+            if missing.count() > 0 {
+                tracing::info!(
+                    partitions = missing.count(),
+                    "partitions without a database position start at the group's offset (on_missing_position = adopt)"
+                );
+            }
+            return blocked;
+        }
+        let committed = self.committed(consumer, &missing);
+        for e in missing.elements() {
+            let (topic, partition) = (e.topic(), e.partition());
+            let group_offset = match &committed {
+                Some(c) => match c.get(&(topic.to_owned(), partition)) {
+                    // Nothing the group passed: auto.offset.reset applies, as it always did.
+                    None | Some(None) => continue,
+                    Some(Some(o)) => Some(*o),
+                },
+                None => None,
+            };
+            match policy {
+                MissingPosition::Earliest => {
+                    tracing::warn!(
+                        %topic,
+                        partition,
+                        group = %config.group_id,
+                        group_offset = ?group_offset,
+                        "the database has no position for this partition and the group has passed records of it: starting at the earliest retained offset (on_missing_position = earliest); the inbox drops what was applied already"
+                    );
+                    if let Err(e) = tpl.set_partition_offset(topic, partition, Offset::Beginning) {
+                        tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
+                    }
+                }
+                _ => {
+                    let shown = group_offset
+                        .map_or_else(|| "unknown (it could not be read)".to_owned(), |o| o.to_string());
+                    tracing::error!(
+                        %topic,
+                        partition,
+                        group = %config.group_id,
+                        consumer = %config.consumer_name,
+                        group_offset = %shown,
+                        "NOT consuming {topic}/{partition}: consumer group {:?} has committed offset {shown} but the database has no position for consumer {:?} (restored from a dump taken before this partition was first processed, or a fresh database?). Starting at the group's offset would skip the effects of everything before it. Ways out: start it from the earliest retained offset (KafkaConfig::on_missing_position(MissingPosition::Earliest), or `txinbox positions set --to-earliest`), or count everything before the group's offset as done (MissingPosition::AdoptGroupOffset, or `txinbox positions adopt`). A position written to the database is picked up within {BLOCKED_RECHECK:?}, without a restart",
+                        config.group_id,
+                        config.consumer_name,
+                    );
+                    // Assigned (the group keeps it here) and paused at once; nothing of it is
+                    // handed out while it is blocked.
+                    let start = group_offset.map_or(Offset::Invalid, Offset::Offset);
+                    if let Err(e) = tpl.set_partition_offset(topic, partition, start) {
+                        tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
+                    }
+                    blocked.insert((topic.to_owned(), partition), group_offset);
+                }
+            }
+        }
+        blocked
+    }
+
+    /// The group's committed offsets of `partitions` (`None` for those without one), or `None`
+    /// if they could not be read. Runs on the poller thread, inside the rebalance callback.
+    fn committed(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        partitions: &TopicPartitionList,
+    ) -> Option<HashMap<(String, i32), Option<i64>>> {
+        for attempt in 1..=3 {
+            if self.shared.stopping() {
+                return None;
+            }
+            match consumer.committed_offsets(partitions.clone(), COMMITTED_TIMEOUT) {
+                Ok(committed) => {
+                    return Some(
+                        committed
+                            .elements()
+                            .iter()
+                            .map(|e| {
+                                let offset = match e.offset() {
+                                    // A group offset of 0 passed nothing.
+                                    Offset::Offset(o) if o > 0 => Some(o),
+                                    _ => None,
+                                };
+                                ((e.topic().to_owned(), e.partition()), offset)
+                            })
+                            .collect(),
+                    );
+                }
+                Err(e) => tracing::warn!(attempt, error = %e, "reading the group's committed offsets failed"),
+            }
+        }
+        None
     }
 
     fn revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, cooperative: bool) {
@@ -709,31 +1161,38 @@ impl PollerContext {
                 state.remove(e.topic(), e.partition());
             }
         } else {
-            state.partitions.clear();
+            state.clear();
         }
         drop(state);
         self.shared.settled.notify_all();
     }
 
-    /// Loads the database positions of `topic`, retrying while the database is unavailable.
-    /// `None`: the source is stopping.
-    fn load_positions(&self, topic: &str) -> Option<Vec<(String, i64)>> {
+    /// Runs a store operation for `topic` on the runtime and waits for it, retrying while the
+    /// database is unavailable (fail closed). `None`: the source is stopping.
+    fn store_call<T: Send + 'static>(
+        &self,
+        topic: &str,
+        what: &str,
+        op: impl Fn(Arc<dyn PositionStore>, String, String) -> BoxFuture<'static, Result<T, StoreError>>,
+    ) -> Option<T> {
         let mut failures: u32 = 0;
         loop {
             if self.shared.stopping() {
                 return None;
             }
             let (tx, rx) = std::sync::mpsc::channel();
-            let positions = self.positions.clone();
-            let consumer = self.shared.config.consumer_name.clone();
-            let owned_topic = topic.to_owned();
+            let call = op(
+                self.positions.clone(),
+                self.shared.config.consumer_name.clone(),
+                topic.to_owned(),
+            );
             self.runtime.spawn(async move {
-                let _ = tx.send(positions.load(&consumer, &owned_topic).await);
+                let _ = tx.send(call.await);
             });
             let started = Instant::now();
             let error = loop {
                 match rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(Ok(positions)) => return Some(positions),
+                    Ok(Ok(value)) => return Some(value),
                     Ok(Err(e)) => break e.to_string(),
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) if started.elapsed() < LOAD_TIMEOUT => {
                         if self.shared.stopping() {
@@ -749,7 +1208,7 @@ impl PollerContext {
                 %topic,
                 %error,
                 ?delay,
-                "loading database positions failed; the assignment waits (fail closed)"
+                "{what} failed; the assignment waits (fail closed)"
             );
             std::thread::sleep(delay);
         }
@@ -764,15 +1223,20 @@ fn poll_loop(
     tx: &mpsc::UnboundedSender<Result<Item, SourceError>>,
 ) {
     let mut last_housekeeping = Instant::now();
+    let mut recheck = Recheck::default();
     while !shared.stopping() && !tx.is_closed() {
         if last_housekeeping.elapsed() >= POLL_INTERVAL {
             housekeeping(&consumer, shared);
+            recheck.run(&consumer, shared);
             last_housekeeping = Instant::now();
         }
         match consumer.poll(POLL_INTERVAL) {
             None => {}
             Some(Ok(m)) => on_message(shared, tx, &m),
             Some(Err(e)) => on_poll_error(&consumer, tx, e),
+        }
+        if let Some(reason) = shared.fatal.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(Err(SourceError::fatal(reason)));
         }
     }
     housekeeping(&consumer, shared);
@@ -803,7 +1267,7 @@ fn on_message(
         let Some(p) = state.get_mut(m.topic(), partition) else {
             return; // not (or no longer) assigned to us
         };
-        if p.revoking {
+        if p.revoking || p.blocked.is_some() {
             return;
         }
         if !p.receive(offset) {
@@ -874,7 +1338,7 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
         let mut state = shared.lock();
         for (topic, parts) in state.partitions.iter_mut() {
             for (partition, p) in parts.iter_mut() {
-                if p.revoking {
+                if p.revoking || p.blocked.is_some() {
                     continue;
                 }
                 if let Some(next) = p.take_store() {
@@ -913,5 +1377,112 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
         if let Err(e) = consumer.resume(&resume) {
             tracing::info!(error = %e, "resuming partitions failed");
         }
+    }
+}
+
+/// The answers of one round of position loads, by topic.
+type Loaded = Vec<(Arc<str>, Result<Vec<(String, i64)>, StoreError>)>;
+
+/// Re-reads the database positions of blocked partitions every [`BLOCKED_RECHECK`], without
+/// blocking the poller: the read runs on the runtime, its answer is picked up by a later turn.
+#[derive(Default)]
+struct Recheck {
+    last: Option<Instant>,
+    pending: Option<std::sync::mpsc::Receiver<Loaded>>,
+}
+
+impl Recheck {
+    fn run(&mut self, consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
+        if let Some(rx) = &self.pending {
+            match rx.try_recv() {
+                Ok(answers) => {
+                    self.pending = None;
+                    for (topic, answer) in answers {
+                        match answer {
+                            Ok(positions) => release(consumer, shared, &topic, &positions),
+                            Err(e) => {
+                                tracing::warn!(%topic, error = %e, "reading the positions of blocked partitions failed; trying again")
+                            }
+                        }
+                    }
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => self.pending = None,
+            }
+        }
+        if self.last.is_some_and(|t| t.elapsed() < BLOCKED_RECHECK) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        let blocked = shared.lock().blocked();
+        if blocked.is_empty() {
+            return;
+        }
+        let topics: BTreeSet<Arc<str>> = blocked.into_iter().map(|(t, _)| t).collect();
+        let context = consumer.context();
+        let store = context.positions.clone();
+        let name = shared.config.consumer_name.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        context.runtime.spawn(async move {
+            let mut answers = Vec::new();
+            for topic in topics {
+                let answer = tokio::time::timeout(LOAD_TIMEOUT, store.load(&name, &topic))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(StoreError::transient(format!(
+                            "no answer within {LOAD_TIMEOUT:?}"
+                        )))
+                    });
+                answers.push((topic, answer));
+            }
+            let _ = tx.send(answers);
+        });
+        self.pending = Some(rx);
+    }
+}
+
+/// Starts the blocked partitions of `topic` that now have a database position there.
+fn release(
+    consumer: &BaseConsumer<PollerContext>,
+    shared: &Shared,
+    topic: &str,
+    positions: &[(String, i64)],
+) {
+    for (lane, next) in positions {
+        let Ok(partition) = lane.parse::<i32>() else {
+            continue;
+        };
+        if !shared
+            .lock()
+            .get_mut(topic, partition)
+            .is_some_and(|p| p.blocked.is_some() && !p.revoking)
+        {
+            continue;
+        }
+        if let Err(e) = consumer.seek(topic, partition, Offset::Offset(*next), Duration::from_secs(5)) {
+            tracing::info!(%topic, partition, error = %e, "starting a released partition at its database position failed; trying again");
+            continue;
+        }
+        {
+            let mut state = shared.lock();
+            let Some(p) = state.get_mut(topic, partition) else {
+                continue;
+            };
+            p.start_at(*next);
+            if p.blocked.take().is_some() {
+                state.count_blocked(topic, false);
+            }
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        if let Err(e) = consumer.resume(&tpl) {
+            tracing::warn!(%topic, partition, error = %e, "resuming a released partition failed");
+        }
+        tracing::warn!(
+            %topic,
+            partition,
+            next,
+            "a database position appeared for a blocked partition: consuming it from there"
+        );
     }
 }

@@ -39,7 +39,7 @@ impl Generation {
         self.abandoned_below.load(Ordering::SeqCst) < offset
     }
 
-    fn abandon(&self, offset: i64) {
+    pub(crate) fn abandon(&self, offset: i64) {
         self.abandoned_below.fetch_min(offset, Ordering::SeqCst);
     }
 }
@@ -65,6 +65,10 @@ pub(crate) struct Partition {
     /// Handed to the runtime and not yet settled or dropped.
     pub(crate) in_flight: usize,
     pub(crate) paused: bool,
+    /// Held (assigned, paused, nothing handed out) because the group has a committed offset
+    /// and the database no position: the group's offset, `None` if it could not be read.
+    /// `Some(..)` while blocked.
+    pub(crate) blocked: Option<Option<i64>>,
 }
 
 impl Partition {
@@ -81,6 +85,7 @@ impl Partition {
             buffered: 0,
             in_flight: 0,
             paused: false,
+            blocked: None,
         }
     }
 

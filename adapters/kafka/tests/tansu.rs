@@ -6,6 +6,10 @@
 //! 10,000 records over 6 partitions, 20% of them repeating an earlier record's CloudEvents ID
 //! (`ce_id` header), published by a plain rdkafka producer outside the framework; two group
 //! members (the second joins mid-stream); every effect exactly once, checked in PostgreSQL.
+//!
+//! A database restored to before a partition was processed, on the real broker: the partition
+//! is held (nothing of it skipped) until a position is written, then every lost effect comes
+//! back once.
 
 mod common;
 
@@ -15,9 +19,10 @@ use common::*;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::ClientConfig;
+use txinbox::sqlx;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn tansu_two_members_ten_thousand_records_with_duplicates() {
+/// The brokers, or `None` (the test is skipped) outside CI.
+fn brokers() -> Option<String> {
     let Ok(brokers) = std::env::var("KAFKA_BROKERS") else {
         // CI (scripts/test) always provides a broker: a skip there would hide a broken setup.
         assert!(
@@ -25,20 +30,23 @@ async fn tansu_two_members_ten_thousand_records_with_duplicates() {
             "KAFKA_BROKERS must be set in CI (scripts/test sets it)"
         );
         eprintln!("SKIPPED: KAFKA_BROKERS is not set (source scripts/lib/tansu.sh and run ensure_tansu)");
-        return;
+        return None;
     };
-    init_tracing();
+    Some(brokers)
+}
+
+/// Creates a fresh topic (`<prefix>-<pid>-<ms>`) with `partitions` and its dead-letter topic.
+async fn fresh_topic(brokers: &str, prefix: &str, partitions: i32) -> String {
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
-    let topic = format!("deposits-{}-{stamp}", std::process::id());
-    let group = format!("g-{topic}");
+    let topic = format!("{prefix}-{}-{stamp}", std::process::id());
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
+        .set("bootstrap.servers", brokers)
         .create()
         .expect("admin client");
     let created = admin
         .create_topics(
             &[
-                NewTopic::new(&topic, 6, TopicReplication::Fixed(1)),
+                NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)),
                 NewTopic::new(&format!("{topic}.dlq"), 1, TopicReplication::Fixed(1)),
             ],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
@@ -48,6 +56,17 @@ async fn tansu_two_members_ten_thousand_records_with_duplicates() {
     for r in created {
         r.expect("topic created");
     }
+    topic
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tansu_two_members_ten_thousand_records_with_duplicates() {
+    let Some(brokers) = brokers() else {
+        return;
+    };
+    init_tracing();
+    let topic = fresh_topic(&brokers, "deposits", 6).await;
+    let group = format!("g-{topic}");
 
     let db = TestDb::new().await;
     let producer = Producer::new(&brokers);
@@ -80,4 +99,60 @@ async fn tansu_two_members_ten_thousand_records_with_duplicates() {
     );
     let by_second = db.scalar("SELECT count(*) FROM effects WHERE run = 2").await;
     eprintln!("second member applied {by_second} of 8000");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tansu_restored_database_holds_the_partition_until_a_position_is_written() {
+    let Some(brokers) = brokers() else {
+        return;
+    };
+    init_tracing();
+    let topic = fresh_topic(&brokers, "restored", 2).await;
+    let group = format!("g-{topic}");
+    let db = TestDb::new().await;
+    let producer = Producer::new(&brokers);
+    let config = || kafka_config(&brokers, &group, &topic).set("partition.assignment.strategy", "range");
+    let mut expected = producer.deposits(&topic, 2, "a", 200, 0).await;
+    let running = Running::start(&db, config(), DepositHandler::new(1));
+    db.wait_applied(200, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    running.stop().await;
+
+    // The dump was taken when only partition 0 had been processed.
+    let mut tx = db.pool.begin().await.unwrap();
+    for sql in [
+        "UPDATE accounts a SET balance = a.balance - s.total
+         FROM (SELECT 'acct-' || ((substring(message_id from 3))::int % 7) AS account, sum(amount) AS total
+               FROM effects WHERE part = 1 GROUP BY 1) s
+         WHERE a.id = s.account",
+        "DELETE FROM txinbox.inbox WHERE message_id IN (SELECT message_id FROM effects WHERE part = 1)",
+        "DELETE FROM effects WHERE part = 1",
+        "DELETE FROM txinbox.positions WHERE lane = '1'",
+    ] {
+        sqlx::query(sql).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let more = producer.deposits(&topic, 2, "b", 20, 0).await;
+    expected.amounts.extend(more.amounts);
+
+    let running = Running::start(&db, config(), DepositHandler::new(2));
+    db.wait_applied(110, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects WHERE part = 1").await,
+        0,
+        "nothing of the partition without a database position is consumed"
+    );
+    sqlx::query(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ($1, $2, '1', 0)",
+    )
+    .bind(CONSUMER)
+    .bind(&topic)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    db.wait_applied(220, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    running.stop().await;
+    db.assert_exactly_once(&expected).await;
 }

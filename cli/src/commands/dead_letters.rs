@@ -165,6 +165,14 @@ async fn requeue(
         return Err(CliError::failed("no such dead letter"));
     };
     let r = &rq.row;
+    if r.truncated {
+        return Err(CliError::failed(format!(
+            "its payload or headers were stored cut ({} bytes received; Consumer::dead_letter_payload_limit): a copy would be a different message. Republish the original from {} (SHA-256 {}) if the broker still has it",
+            r.payload_size.map_or("?".into(), |n| n.to_string()),
+            origin(r),
+            r.payload_sha256.as_deref().map_or("unknown".into(), hex)
+        )));
+    }
     if r.discarded_at.is_some() && !force {
         return Err(CliError::failed(format!(
             "it was discarded ({}); pass --force to requeue it anyway",
@@ -320,6 +328,9 @@ fn full(r: &DeadLetterRow) -> Value {
     v["requeue_count"] = json!(r.requeue_count);
     v["discarded_at"] = json!(r.discarded_at.map(|t| t.to_string()));
     v["discard_reason"] = json!(r.discard_reason);
+    v["payload_size"] = json!(r.payload_size);
+    v["payload_sha256"] = json!(r.payload_sha256.as_deref().map(hex));
+    v["truncated"] = json!(r.truncated);
     v
 }
 

@@ -1,14 +1,23 @@
-//! `txinbox purge`.
+//! `txinbox purge`: scoped to one consumer unless `--all-consumers`; a window inside the dedup
+//! window only with `--force`; the plan first, then a confirmation (`--yes` without a terminal).
 
 use std::fmt::Write;
 
 use serde_json::json;
-use txinbox::ops::retention;
+use txinbox::ops::retention::{self, PurgePlan};
 
 use crate::error::{db, CliError};
-use crate::{Env, PurgeArgs, Report};
+use crate::{show_duration, Env, PurgeArgs, Report};
 
 pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
+    let window = show_duration(a.older_than);
+    let dedup_window = show_duration(retention::DEFAULT_WINDOW);
+    let inside = a.older_than < retention::DEFAULT_WINDOW;
+    if inside && !a.force && !a.dry_run {
+        return Err(CliError::failed(format!(
+            "--older-than {window} is inside the dedup window ({dedup_window}): an ID purged this early no longer deduplicates, so a redelivery, replay or requeue of its message runs the handler again. Keep at least the broker's retention plus the longest redelivery horizon, or pass --force if re-applying such messages is acceptable"
+        )));
+    }
     let pool = env.db(false).await?;
     let consumers = match a.consumer {
         Some(c) => vec![c],
@@ -16,33 +25,85 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
             .await
             .map_err(db("listing consumers"))?,
     };
-    let mut out: Vec<serde_json::Value> = Vec::new();
-    let mut text = String::new();
+    let mut plans: Vec<(String, PurgePlan)> = Vec::new();
     for consumer in consumers {
         let plan = retention::plan(&pool, &consumer, a.older_than)
             .await
             .map_err(db("counting purgeable rows"))?;
+        plans.push((consumer, plan));
+    }
+    let total: i64 = plans.iter().map(|(_, p)| p.candidates).sum();
+    let mut plan_text = String::new();
+    for (consumer, plan) in &plans {
+        let _ = writeln!(
+            plan_text,
+            "{consumer}: would delete {} terminal rows of txinbox.inbox that finished before {} (older than {window})",
+            plan.candidates, plan.cutoff,
+        );
+    }
+    if plans.is_empty() {
+        plan_text.push_str("no inbox rows\n");
+    }
+    if inside {
+        let _ = writeln!(
+            plan_text,
+            "warning: {window} is inside the dedup window ({dedup_window}): redeliveries of purged IDs are applied again"
+        );
+    }
+    let report_of = |deleted: &[u64]| {
+        json!({
+            "window_seconds": a.older_than.as_secs(),
+            "batch_size": a.batch_size,
+            "dry_run": a.dry_run,
+            "forced": inside,
+            "consumers": plans.iter().enumerate().map(|(i, (consumer, plan))| json!({
+                "consumer": consumer,
+                "cutoff": plan.cutoff.to_string(),
+                "candidates": plan.candidates,
+                "deleted": deleted.get(i).copied().unwrap_or(0),
+                "dry_run": a.dry_run,
+            })).collect::<Vec<_>>(),
+        })
+    };
+    if a.dry_run {
+        plan_text.push_str("dry run: nothing deleted\n");
+        return Ok(Report::ok(report_of(&[]), plan_text));
+    }
+    if total == 0 {
+        plan_text.push_str("nothing to delete\n");
+        return Ok(Report::ok(report_of(&[]), plan_text));
+    }
+    crate::commands::confirm(
+        env.json,
+        &plan_text,
+        &format!("delete {total} inbox rows of {} consumer(s)", plans.len()),
+        a.yes,
+    )?;
+
+    let mut done: Vec<u64> = Vec::new();
+    let mut text = String::new();
+    for (consumer, plan) in &plans {
         let mut deleted = 0u64;
-        if !a.dry_run && plan.candidates > 0 {
+        if plan.candidates > 0 {
             // The horizon first: a replay checked meanwhile already refuses the purged range.
-            retention::record_horizon(&pool, &consumer, plan.cutoff)
+            retention::record_horizon(&pool, consumer, plan.cutoff)
                 .await
                 .map_err(db("recording the retention horizon"))?;
             let bar = env.progress(plan.candidates as u64, &format!("purging {consumer}"));
             loop {
-                let n = match retention::delete_batch(&pool, &consumer, plan.cutoff, a.batch_size).await {
+                let n = match retention::delete_batch(&pool, consumer, plan.cutoff, a.batch_size).await {
                     Ok(n) => n,
                     Err(e) => {
                         bar.finish_and_clear();
                         let e = db("deleting a batch")(e);
-                        let done: Vec<String> = out
+                        let so_far: Vec<String> = plans
                             .iter()
-                            .map(|c| format!("{} of {}", c["deleted"], c["consumer"].as_str().unwrap_or("")))
-                            .chain([format!("{deleted} of {consumer}")])
+                            .zip(done.iter().chain([&deleted]))
+                            .map(|((c, _), n)| format!("{n} of {c}"))
                             .collect();
                         return Err(e.with_note(&format!(
                             "deleted so far: {} (the horizon is recorded; run the purge again to finish)",
-                            done.join(", ")
+                            so_far.join(", ")
                         )));
                     }
                 };
@@ -56,29 +117,10 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
         }
         let _ = writeln!(
             text,
-            "{consumer}: {} {} terminal rows older than {} (window {}s)",
-            if a.dry_run { "would delete" } else { "deleted" },
-            if a.dry_run {
-                plan.candidates as u64
-            } else {
-                deleted
-            },
+            "{consumer}: deleted {deleted} terminal rows that finished before {} (older than {window})",
             plan.cutoff,
-            a.older_than.as_secs(),
         );
-        out.push(json!({
-            "consumer": consumer,
-            "cutoff": plan.cutoff.to_string(),
-            "candidates": plan.candidates,
-            "deleted": deleted,
-            "dry_run": a.dry_run,
-        }));
+        done.push(deleted);
     }
-    if out.is_empty() {
-        text.push_str("no inbox rows\n");
-    }
-    Ok(Report::ok(
-        json!({ "window_seconds": a.older_than.as_secs(), "batch_size": a.batch_size, "consumers": out }),
-        text,
-    ))
+    Ok(Report::ok(report_of(&done), text))
 }

@@ -31,8 +31,8 @@ struct Plan {
 pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     let pool = env.db(false).await?;
     let kafka = env.kafka("replay")?;
-    let group = a.group.clone().unwrap_or_else(|| a.consumer.clone());
     let topic = a.topic.as_str();
+    let group = super::group(&pool, &a.consumer, topic, a.group.as_deref()).await?;
 
     let plans = tokio::task::block_in_place(|| plan(&kafka, &a, &group))?;
     let stored: HashMap<i32, i64> = status::positions(&pool, Some(&a.consumer), Some(topic))
@@ -53,33 +53,8 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     let horizon = retention::horizon(&pool, &a.consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
-    let mut before_horizon = Vec::new();
-    if let Some(h) = horizon {
-        for p in plans.iter().filter(|p| p.start < p.high) {
-            let mut first = None;
-            let next = tokio::task::block_in_place(|| {
-                kafka.read_range(topic, p.partition, p.start, p.high, |r| {
-                    first = Some(r.timestamp);
-                    false
-                })
-            })?;
-            match first {
-                Some(Some(ts)) if ts >= h.0 => {}
-                Some(ts) => before_horizon.push(json!({
-                    "partition": p.partition, "offset": p.start,
-                    "record_timestamp": ts.map(|t| Timestamp(t).to_string()),
-                })),
-                // The range holds no record (only markers): nothing to re-apply.
-                None if next >= p.high => {}
-                None => {
-                    return Err(CliError::failed(format!(
-                        "could not read the first record of {topic}/{} at offset {} within 10 s, so the range cannot be checked against the retention horizon; try again",
-                        p.partition, p.start
-                    )))
-                }
-            }
-        }
-    }
+    let starts: Vec<(i32, i64, i64)> = plans.iter().map(|p| (p.partition, p.start, p.high)).collect();
+    let before_horizon = before_horizon(&kafka, topic, &starts, horizon)?;
 
     let mut report = json!({
         "consumer": a.consumer, "group": group, "topic": topic, "dry_run": a.dry_run,
@@ -213,35 +188,60 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     Ok(Report::ok(report, text))
 }
 
+/// The partitions of `starts` (partition, start, high watermark) whose first record in
+/// `[start, high)` was produced before the retention `horizon` (its inbox row may be purged, so
+/// it would be applied again), as JSON for reports. Empty without a horizon.
+pub(super) fn before_horizon(
+    kafka: &Kafka,
+    topic: &str,
+    starts: &[(i32, i64, i64)],
+    horizon: Option<Timestamp>,
+) -> Result<Vec<serde_json::Value>, CliError> {
+    let mut before = Vec::new();
+    let Some(h) = horizon else { return Ok(before) };
+    for &(partition, start, high) in starts.iter().filter(|(_, start, high)| start < high) {
+        let mut first = None;
+        let next = tokio::task::block_in_place(|| {
+            kafka.read_range(topic, partition, start, high, |r| {
+                first = Some(r.timestamp);
+                false
+            })
+        })?;
+        match first {
+            Some(Some(ts)) if ts >= h.0 => {}
+            Some(ts) => before.push(json!({
+                "partition": partition, "offset": start,
+                "record_timestamp": ts.map(|t| Timestamp(t).to_string()),
+            })),
+            // The range holds no record (only markers): nothing to re-apply.
+            None if next >= high => {}
+            None => {
+                return Err(CliError::failed(format!(
+                    "could not read the first record of {topic}/{partition} at offset {start} within 10 s, so the range cannot be checked against the retention horizon; try again"
+                )))
+            }
+        }
+    }
+    Ok(before)
+}
+
 /// Resolves the start of every selected partition.
 fn plan(kafka: &Kafka, a: &ReplayArgs, group: &str) -> Result<Vec<Plan>, CliError> {
-    let all = kafka.partitions(&a.topic)?;
-    let selected = if a.partitions.is_empty() {
-        all.clone()
-    } else {
-        if let Some(p) = a.partitions.iter().find(|p| !all.contains(p)) {
-            return Err(CliError::BadArgs(format!(
-                "topic {} has no partition {p} (it has {})",
-                a.topic,
-                all.len()
-            )));
-        }
-        a.partitions.clone()
-    };
+    let view = kafka.view(&a.topic, Some(group), &a.partitions)?;
+    let selected: Vec<i32> = view.iter().map(|p| p.partition).collect();
     let by_time = match a.to_timestamp {
         Some(t) => kafka.offsets_for_time(&a.topic, &selected, t.0)?,
         None => HashMap::new(),
     };
-    let committed = kafka.committed(group, &a.topic, &selected)?;
-    selected
+    Ok(view
         .into_iter()
-        .map(|p| {
-            let (low, high) = kafka.watermarks(&a.topic, p)?;
+        .map(|b| {
+            let (low, high) = (b.low, b.high);
             let start = if let Some(o) = a.to_offset {
                 o.clamp(low, high)
             } else if a.to_timestamp.is_some() {
                 by_time
-                    .get(&p)
+                    .get(&b.partition)
                     .copied()
                     .flatten()
                     .unwrap_or(high)
@@ -249,16 +249,16 @@ fn plan(kafka: &Kafka, a: &ReplayArgs, group: &str) -> Result<Vec<Plan>, CliErro
             } else {
                 low
             };
-            Ok(Plan {
-                partition: p,
+            Plan {
+                partition: b.partition,
                 low,
                 high,
                 start,
                 database_position: None,
-                group_offset: committed.get(&p).copied().flatten(),
-            })
+                group_offset: b.group_offset,
+            }
         })
-        .collect()
+        .collect())
 }
 
 /// Reads `[start, high)` of every partition and classifies each record against the inbox.

@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use serde_json::json;
+use txinbox::ops::positions as ops_positions;
 use txinbox::ops::status;
 
 use super::{num, when};
 use crate::error::{db, CliError};
-use crate::kafka::Kafka;
+use crate::kafka::BrokerPartition;
 use crate::{Env, Report};
 
 pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Result<Report, CliError> {
@@ -34,8 +35,8 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
     let mut out = Vec::new();
     let mut text = String::new();
     for s in &summaries {
-        let group = group.unwrap_or(&s.consumer);
-        // Topic → stored positions by partition.
+        // Topic → stored positions by partition; topics with only a recorded group too (a
+        // restored or new database: every partition missing).
         let mut topics: BTreeMap<&str, BTreeMap<i32, i64>> = BTreeMap::new();
         for p in positions.iter().filter(|p| p.consumer == s.consumer) {
             if let Ok(partition) = p.lane.parse::<i32>() {
@@ -45,12 +46,30 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
                     .insert(partition, p.next_position);
             }
         }
+        let recorded = ops_positions::subscriptions(&pool, &s.consumer, ops_positions::KAFKA)
+            .await
+            .map_err(db("reading the recorded groups (txinbox.subscriptions)"))?;
+        for topic in recorded.keys() {
+            topics.entry(topic).or_default();
+        }
         let mut partitions = Vec::new();
         let mut topic_errors = Vec::new();
         for (topic, stored) in &topics {
+            let group = match ops_positions::resolve_group(recorded.get(*topic).map(String::as_str), group) {
+                Ok(g) => Some(g),
+                Err(e @ ops_positions::GroupError::Disagrees { .. }) => {
+                    return Err(CliError::Failed(e.explain(&s.consumer, topic)))
+                }
+                Err(e) => {
+                    if kafka.is_some() {
+                        topic_errors.push(json!({ "topic": topic, "error": e.explain(&s.consumer, topic) }));
+                    }
+                    None
+                }
+            };
             // What the broker says; a topic it no longer knows is reported, not fatal.
             let broker = match &kafka {
-                Some(k) => match tokio::task::block_in_place(|| broker_view(k, group, topic)) {
+                Some(k) => match tokio::task::block_in_place(|| k.view(topic, group.as_deref(), &[])) {
                     Ok(view) => Some(view),
                     Err(e @ CliError::Unreachable { .. }) => return Err(e),
                     Err(e) => {
@@ -60,20 +79,32 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
                 },
                 None => None,
             };
-            let all: Vec<i32> = match &broker {
-                Some(v) => v.keys().copied().collect(),
-                None => stored.keys().copied().collect(),
+            let rows: Vec<(i32, Option<BrokerPartition>)> = match broker {
+                Some(v) => v.into_iter().map(|b| (b.partition, Some(b))).collect(),
+                None => stored.keys().map(|p| (*p, None)).collect(),
             };
-            for p in all {
+            for (p, b) in rows {
                 let db_position = stored.get(&p).copied();
-                let (group_offset, high) = match broker.as_ref().and_then(|v| v.get(&p)) {
-                    Some((g, h)) => (*g, Some(*h)),
-                    None => (None, None),
-                };
+                let group_offset = b.and_then(|b| b.group_offset);
+                let high = b.map(|b| b.high);
                 let lag = high.and_then(|h| db_position.or(group_offset).map(|pos| (h - pos).max(0)));
+                // The status needs the group's offset: without a group, none is claimed.
+                let state = b.filter(|_| group.is_some()).map(|b| {
+                    ops_positions::PartitionView {
+                        partition: p,
+                        database_position: db_position,
+                        group_offset,
+                        low: b.low,
+                        high: b.high,
+                    }
+                    .status()
+                    .as_str()
+                });
                 partitions.push(json!({
                     "topic": topic, "partition": p, "database_position": db_position,
-                    "group_offset": group_offset, "high_watermark": high, "lag": lag,
+                    "group": group, "group_offset": group_offset,
+                    "low_watermark": b.map(|b| b.low), "high_watermark": high, "lag": lag,
+                    "status": state,
                 }));
             }
         }
@@ -95,19 +126,20 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
         if !partitions.is_empty() {
             let _ = writeln!(
                 text,
-                "  {:<30} {:>9} {:>12} {:>12} {:>14} {:>8}",
+                "  {:<30} {:>9} {:>12} {:>12} {:>14} {:>8}  status",
                 "topic", "partition", "db position", "group offset", "high watermark", "lag"
             );
             for p in &partitions {
                 let _ = writeln!(
                     text,
-                    "  {:<30} {:>9} {:>12} {:>12} {:>14} {:>8}",
+                    "  {:<30} {:>9} {:>12} {:>12} {:>14} {:>8}  {}",
                     p["topic"].as_str().unwrap_or(""),
                     p["partition"],
                     num(p["database_position"].as_i64()),
                     num(p["group_offset"].as_i64()),
                     num(p["high_watermark"].as_i64()),
                     num(p["lag"].as_i64()),
+                    p["status"].as_str().unwrap_or("-"),
                 );
             }
             for e in &topic_errors {
@@ -145,18 +177,4 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
         text.push_str("no consumers yet\n");
     }
     Ok(Report::ok(json!({ "consumers": out }), text))
-}
-
-/// Partition → (group committed offset, high watermark) for every partition of `topic`.
-fn broker_view(k: &Kafka, group: &str, topic: &str) -> Result<BTreeMap<i32, (Option<i64>, i64)>, CliError> {
-    let all = k.partitions(topic)?;
-    let committed = k.committed(group, topic, &all)?;
-    all.into_iter()
-        .map(|p| {
-            Ok((
-                p,
-                (committed.get(&p).copied().flatten(), k.watermarks(topic, p)?.1),
-            ))
-        })
-        .collect()
 }

@@ -440,9 +440,11 @@ impl Run {
 /// `brokers` (unset when `None`).
 pub async fn txinbox(db_url: &str, brokers: Option<&str>, args: &[&str]) -> Run {
     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"));
+    // No terminal on stdin, as in CI: a command that needs confirmation must refuse, not wait.
     cmd.args(args)
         .env("DATABASE_URL", db_url)
-        .env_remove("KAFKA_BROKERS");
+        .env_remove("KAFKA_BROKERS")
+        .stdin(std::process::Stdio::null());
     if let Some(b) = brokers {
         cmd.env("KAFKA_BROKERS", b);
     }
@@ -455,4 +457,68 @@ pub async fn txinbox(db_url: &str, brokers: Option<&str>, args: &[&str]) -> Run 
         stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
+}
+
+/// Commits `offsets` (partition, next offset) of `topic` for consumer group `group`, as a
+/// consumer of that group would have.
+pub fn commit_group(brokers: &str, group: &str, topic: &str, offsets: &[(i32, i64)]) {
+    use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer for the group");
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for (p, o) in offsets {
+        tpl.add_partition_offset(topic, *p, rdkafka::Offset::Offset(*o))
+            .unwrap();
+    }
+    c.commit(&tpl, CommitMode::Sync).expect("group offsets committed");
+}
+
+/// Records that `consumer` reads `topic` through Kafka group `group`, as the Kafka source does
+/// when it is assigned partitions.
+pub async fn record_subscription(db: &TestDb, consumer: &str, topic: &str, group: &str) {
+    use txinbox::InboxStore;
+    let other = txinbox::PostgresInbox::new(db.pool.clone())
+        .record_subscription(consumer, "kafka", topic, group)
+        .await
+        .expect("record subscription");
+    assert_eq!(other, None, "no other group recorded");
+}
+
+/// Stores `consumer`'s next position in `topic`/`partition`.
+pub async fn store_position(db: &TestDb, consumer: &str, topic: &str, partition: i32, next: i64) {
+    db.exec(&format!(
+        "INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+         VALUES ('{consumer}', '{topic}', '{partition}', {next})
+         ON CONFLICT (consumer, source, lane) DO UPDATE SET next_position = EXCLUDED.next_position"
+    ))
+    .await;
+}
+
+/// A consumer name unique to this process and moment.
+pub fn consumer_name() -> String {
+    unique("svc").replace('_', "-")
+}
+
+/// Inserts `n` terminal inbox rows of `consumer` that finished `days` days ago.
+pub async fn old_rows(db: &TestDb, consumer: &str, n: i64, days: i64) {
+    db.exec(&format!(
+        "INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts,
+                                    first_seen_at, processed_at, source_system, destination)
+         SELECT '{consumer}', 'old-{days}-' || i, 'cloudevents', sha256(i::text::bytea), 'processed', 1,
+                now() - interval '{days} days', now() - interval '{days} days', 'kafka', 't'
+         FROM generate_series(1, {n}) i"
+    ))
+    .await;
+}
+
+/// Inbox rows of `consumer`.
+pub async fn inbox_rows(db: &TestDb, consumer: &str) -> i64 {
+    db.scalar(&format!(
+        "SELECT count(*) FROM txinbox.inbox WHERE consumer = '{consumer}'"
+    ))
+    .await
 }

@@ -21,8 +21,9 @@ use txinbox_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProper
 
 use crate::events::Outgoing;
 
-/// Partitions of the chaos topic: several lanes, so racing copies land in different ones.
-const PARTITIONS: i32 = 4;
+/// Partitions of the crash matrix's topic: several lanes, so racing copies land in different
+/// ones.
+pub const PARTITIONS: i32 = 4;
 const KAFKA_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A Kafka topic (and its `.dlq`) made for one chaos run.
@@ -30,16 +31,24 @@ pub struct Kafka {
     brokers: String,
     topic: String,
     group: String,
+    partitions: i32,
     session_timeout_ms: u32,
     producer: FutureProducer,
     /// Per partition, the offset after the last record published (from the delivery reports;
     /// tansu's ListOffsets answers are not reliable enough to ask the broker instead).
     ends: Mutex<BTreeMap<i32, i64>>,
+    /// The event ID of every record published, by partition and offset.
+    ids: Mutex<BTreeMap<(i32, i64), String>>,
 }
 
 impl Kafka {
-    /// Creates `ledger-chaos-<tag>` with [`PARTITIONS`] partitions and its dead-letter topic.
-    pub async fn create(brokers: &str, tag: &str, session_timeout_ms: u32) -> anyhow::Result<Kafka> {
+    /// Creates `ledger-chaos-<tag>` with `partitions` partitions and its dead-letter topic.
+    pub async fn create(
+        brokers: &str,
+        tag: &str,
+        partitions: i32,
+        session_timeout_ms: u32,
+    ) -> anyhow::Result<Kafka> {
         let topic = format!("ledger-chaos-{tag}");
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", brokers)
@@ -47,7 +56,7 @@ impl Kafka {
             .context("creating a Kafka admin client")?;
         let dlq = format!("{topic}.dlq");
         let topics = [
-            NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1)),
+            NewTopic::new(&topic, partitions, TopicReplication::Fixed(1)),
             NewTopic::new(&dlq, 1, TopicReplication::Fixed(1)),
         ];
         let options = AdminOptions::new().operation_timeout(Some(KAFKA_TIMEOUT));
@@ -66,10 +75,12 @@ impl Kafka {
         Ok(Kafka {
             brokers: brokers.to_owned(),
             group: format!("ledger-chaos-{tag}"),
+            partitions,
             session_timeout_ms,
             topic,
             producer,
             ends: Mutex::default(),
+            ids: Mutex::default(),
         })
     }
 
@@ -99,7 +110,7 @@ impl Kafka {
     pub async fn publish(&self, messages: &[Outgoing]) -> anyhow::Result<()> {
         let mut reports = Vec::with_capacity(messages.len());
         for m in messages {
-            let partition = (stable_hash(&m.id) + m.copy as u64) % PARTITIONS as u64;
+            let partition = (stable_hash(&m.id) + m.copy as u64) % self.partitions as u64;
             let headers = OwnedHeaders::new().insert(Header {
                 key: "ce_id",
                 value: Some(m.id.as_bytes()),
@@ -115,7 +126,7 @@ impl Kafka {
                 .map_err(|(e, _)| anyhow::anyhow!("producing to {}: {e}", self.topic))?;
             reports.push(report);
         }
-        for report in reports {
+        for (report, m) in reports.into_iter().zip(messages) {
             let delivered = report
                 .await
                 .context("the producer went away")?
@@ -123,14 +134,23 @@ impl Kafka {
             let mut ends = self.ends.lock().unwrap();
             let end = ends.entry(delivered.partition).or_insert(0);
             *end = (*end).max(delivered.offset + 1);
+            self.ids
+                .lock()
+                .unwrap()
+                .insert((delivered.partition, delivered.offset), m.id.clone());
         }
         Ok(())
     }
 
+    /// The event ID of the record at `offset` of `partition`, if this run published it.
+    pub fn id_at(&self, partition: i32, offset: i64) -> Option<String> {
+        self.ids.lock().unwrap().get(&(partition, offset)).cloned()
+    }
+
     /// The offset after the last published record, for every partition (0: none published).
-    fn ends(&self) -> Vec<i64> {
+    pub fn ends(&self) -> Vec<i64> {
         let ends = self.ends.lock().unwrap();
-        (0..PARTITIONS)
+        (0..self.partitions)
             .map(|p| ends.get(&p).copied().unwrap_or(0))
             .collect()
     }
@@ -138,6 +158,7 @@ impl Kafka {
     /// The group's committed offset of every partition (`None`: nothing committed).
     pub async fn committed_offsets(&self) -> anyhow::Result<Vec<Option<i64>>> {
         let (brokers, topic, group) = (self.brokers.clone(), self.topic.clone(), self.group.clone());
+        let partitions = self.partitions;
         tokio::task::spawn_blocking(move || {
             // Asking for committed offsets does not join the group.
             let consumer: BaseConsumer = ClientConfig::new()
@@ -145,11 +166,11 @@ impl Kafka {
                 .set("group.id", &group)
                 .create()?;
             let mut tpl = TopicPartitionList::new();
-            for p in 0..PARTITIONS {
+            for p in 0..partitions {
                 tpl.add_partition(&topic, p);
             }
             let committed = consumer.committed_offsets(tpl, KAFKA_TIMEOUT)?;
-            Ok((0..PARTITIONS)
+            Ok((0..partitions)
                 .map(
                     |p| match committed.find_partition(&topic, p).map(|e| e.offset()) {
                         Some(Offset::Offset(o)) => Some(o),
@@ -335,6 +356,23 @@ impl Amqp {
         let (work, _) = self.stats(&self.queue).await?;
         let (retry, _) = self.stats(&format!("{}.retry", self.queue)).await?;
         Ok(work == 0 && retry == 0)
+    }
+
+    /// Messages ready in the work and retry queues once no consumer is attached any more (a
+    /// killed ledger's unacknowledged deliveries are back in the queue by then).
+    pub async fn ready_when_detached(&self) -> anyhow::Result<u64> {
+        let started = std::time::Instant::now();
+        loop {
+            let (work, consumers) = self.stats(&self.queue).await?;
+            if consumers == 0 {
+                let (retry, _) = self.stats(&format!("{}.retry", self.queue)).await?;
+                return Ok(u64::from(work + retry));
+            }
+            if started.elapsed() > Duration::from_secs(15) {
+                bail!("{} still has {consumers} consumers after 15 s", self.queue);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Messages in the work and retry queues once no consumer is attached any more (a killed

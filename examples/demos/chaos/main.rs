@@ -28,27 +28,55 @@
 //! `--kafka-session-timeout-ms` (default 6000; CI uses 3000 on tansu) so that a restart after a
 //! kill waits only that long for the dead member.
 //!
+//! Two more phases, chosen with `--phases` (default `matrix`; CI runs
+//! `matrix,storm,outage`), print their figures under the summary:
+//!
+//! - `storm` ([`storm`]): a rebalance storm on Kafka. Three ledgers in one consumer group on a
+//!   topic with six partitions are SIGKILLed (70 %) or stopped with SIGTERM (which must exit 0)
+//!   one at a time, every 1 to 3.5 s for `--storm-seconds`, and restarted 0 to 2.5 s later,
+//!   while the producer publishes `--storm-events` at an even pace. Then all three run until
+//!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
+//!   events, kills, graceful stops, restarts, the assignments and revocations the members
+//!   logged, duration, lost, doubled, unacked.
+//! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
+//!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
+//!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
+//!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
+//!   never on the `--database-url` server. Besides the final check it asserts that nothing was
+//!   acknowledged during the outage: no group offset seen while the database was down is past
+//!   the database position of its partition, and every RabbitMQ event the database had not
+//!   finished still has a copy in the queues once the ledger holding them is killed. The Kafka
+//!   ledger must stay up through the outage.
+//!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
 //! and the ledger built with crash points next to this program:
 //!
 //! ```text
 //! cargo build -p txinbox-demos --features crash-points --example ledger --example chaos
 //! target/debug/examples/chaos --source all --events 2000 --time-budget 120
+//! target/debug/examples/chaos --source all --phases storm,outage --kafka-session-timeout-ms 3000
 //! ```
 //!
-//! `scripts/chaos` does both (CI runs it). Against your own setup: `--brokers` /
+//! `scripts/chaos` builds them and runs the harness, after two sabotaged runs that must fail
+//! (CI runs it). Against your own setup: `--brokers` /
 //! `KAFKA_BROKERS`, `--amqp-url` / `AMQP_URL`, `--database-url` / `DATABASE_URL` (a role that
-//! may create databases), `--events`, `--time-budget`, `--seed` to replay a run's choices.
-//! `--sabotage` runs every ledger under a new consumer name, so its inbox cannot recognise what
-//! an earlier (killed) run applied: the check must then report doubled payments and fail — a
-//! demonstration that the harness can fail.
+//! may create databases), `--events`, `--time-budget` (the matrix's; the storm and the outage
+//! take their own sizes), `--seed` to replay a run's choices. `--sabotage` proves that the
+//! checks can fail. In the matrix and the storm it runs every ledger under a new consumer
+//! name, so its inbox cannot recognise what an earlier (killed) run applied: the check must
+//! report doubled payments. In the outage every ledger acknowledges each delivery as it
+//! receives it, before its transaction (`txinbox_demos::sabotage`): the run must report
+//! acknowledgements during the outage on both brokers, and lost payments.
 
 mod brokers;
 mod events;
+mod outage;
 mod process;
+mod storm;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
@@ -115,6 +143,11 @@ struct Args {
     /// `group.min.session.timeout.ms` (6000 by default).
     #[arg(long, default_value_t = 6000)]
     kafka_session_timeout_ms: u32,
+    /// Extra librdkafka properties for every Kafka ledger, KEY=VALUE (repeatable), e.g.
+    /// `debug=cgrp` with `CHAOS_LEDGER_LOG=info,librdkafka=debug` to see the group protocol in
+    /// the ledgers' logs.
+    #[arg(long)]
+    ledger_kafka_property: Vec<String>,
     /// RabbitMQ URI.
     #[arg(
         long,
@@ -145,10 +178,35 @@ struct Args {
     /// Keep the databases, topics and queues even after a clean run.
     #[arg(long)]
     keep: bool,
-    /// Run each ledger under a new consumer name: the inbox cannot deduplicate across
-    /// restarts, so the run must FAIL with doubled payments (proves the check can fail).
+    /// Matrix and storm: run each ledger under a new consumer name, so the inbox cannot
+    /// deduplicate across restarts and the run must FAIL with doubled payments. Outage: every
+    /// ledger acknowledges each delivery before its transaction, so the run must FAIL with
+    /// acknowledgements during the outage (and lost payments). Proves the checks can fail.
     #[arg(long)]
     sabotage: bool,
+    /// What to run (comma-separated): `matrix` (per broker: crash points, random kills, a final
+    /// run; bounded by --time-budget), `storm` (Kafka: a rebalance storm of three members on
+    /// six partitions), `outage` (PostgreSQL crashed and restarted under both brokers).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "matrix")]
+    phases: Vec<Phase>,
+    /// Storm: unique payment events, published while the members churn.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
+    storm_events: u32,
+    /// Storm: seconds of kills, graceful stops and restarts (then every member drains).
+    #[arg(long, default_value_t = 40)]
+    storm_seconds: u64,
+    /// Outage: unique payment events per broker.
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
+    outage_events: u32,
+    /// Outage: seconds PostgreSQL stays down: more than librdkafka's 5 s auto-commit interval,
+    /// so that an offset stored without a commit would reach the group meanwhile, and long
+    /// enough for the group to move a killed member's partitions (tansu takes about 10 s).
+    #[arg(long, default_value_t = 15)]
+    outage_seconds: u64,
+    /// Outage: the directory of PostgreSQL's server programs (initdb, pg_ctl) for the private
+    /// cluster the outage stops and starts. Default: the newest /usr/lib/postgresql/*/bin.
+    #[arg(long, env = "TXINBOX_PG_BIN")]
+    pg_bin: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -156,6 +214,23 @@ enum Which {
     All,
     Kafka,
     Amqp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Phase {
+    Matrix,
+    Storm,
+    Outage,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Matrix => "matrix",
+            Phase::Storm => "storm",
+            Phase::Outage => "outage",
+        }
+    }
 }
 
 #[tokio::main]
@@ -186,27 +261,38 @@ async fn main() -> anyhow::Result<()> {
         Which::Kafka => vec!["kafka"],
         Which::Amqp => vec!["amqp"],
     };
+    let phases: Vec<&str> = args.phases.iter().map(|p| p.name()).collect();
     println!(
-        "chaos: {} events per broker, {}% sent twice, {} malformed, up to {} random kills, budget {} s, seed {seed}{}",
+        "chaos: phases {}; matrix: {} events per broker, {}% sent twice, {} malformed, up to {} random kills, budget {} s; seed {seed}{}",
+        phases.join(","),
         args.events,
         args.duplicate_percent,
         args.malformed,
         args.random_kills,
         args.time_budget,
-        if args.sabotage { ", SABOTAGE: a new consumer name per run" } else { "" }
+        if args.sabotage { "; SABOTAGE" } else { "" }
     );
-    let deadline = Instant::now() + Duration::from_secs(args.time_budget);
     let mut reports = Vec::new();
-    for (i, source) in sources.iter().enumerate() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let share = left / (sources.len() - i) as u32;
-        let source_seed = seed.wrapping_add(i as u64);
-        let run = run_source(&args, source, &ledger, source_seed, Instant::now() + share);
-        let report = tokio::select! {
-            report = run => report?,
-            _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; the ledgers were killed"),
-        };
-        reports.push(report);
+    if args.phases.contains(&Phase::Matrix) {
+        let deadline = Instant::now() + Duration::from_secs(args.time_budget);
+        for (i, source) in sources.iter().enumerate() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let share = left / (sources.len() - i) as u32;
+            let source_seed = seed.wrapping_add(i as u64);
+            let run = run_source(&args, source, &ledger, source_seed, Instant::now() + share);
+            reports.push(interruptible(run).await?);
+        }
+    }
+    if args.phases.contains(&Phase::Storm) {
+        anyhow::ensure!(
+            sources.contains(&"kafka"),
+            "the storm runs on Kafka: use --source all or kafka with --phases storm"
+        );
+        reports.push(interruptible(storm::run(&args, &ledger, seed.wrapping_add(100))).await?);
+    }
+    if args.phases.contains(&Phase::Outage) {
+        let run = outage::run(&args, &ledger, seed.wrapping_add(200), &sources);
+        reports.extend(interruptible(run).await?);
     }
     print_summary(&reports);
     let failed: Vec<&Report> = reports.iter().filter(|r| !r.failures.is_empty()).collect();
@@ -215,12 +301,20 @@ async fn main() -> anyhow::Result<()> {
         Ok(())
     } else {
         for r in &failed {
-            println!("\n{} FAILED ({}):", r.source, r.resources);
+            println!("\n{} {} FAILED ({}):", r.source, r.phase, r.resources);
             for f in &r.failures {
                 println!("  - {f}");
             }
         }
         std::process::exit(1);
+    }
+}
+
+/// `run`, unless Ctrl-C comes first (the ledgers are killed when their handles drop).
+async fn interruptible<T>(run: impl Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    tokio::select! {
+        result = run => result,
+        _ = tokio::signal::ctrl_c() => anyhow::bail!("interrupted; the ledgers were killed"),
     }
 }
 
@@ -248,10 +342,11 @@ impl std::fmt::Display for PointResult {
     }
 }
 
-/// One broker's results.
+/// One broker's results in one phase.
 #[derive(Debug, Default)]
 struct Report {
     source: &'static str,
+    phase: &'static str,
     resources: String,
     runs: u32,
     kills: u32,
@@ -264,6 +359,8 @@ struct Report {
     points: BTreeMap<&'static str, PointResult>,
     failures: Vec<String>,
     elapsed: Duration,
+    /// The phase's own figures, printed under the summary.
+    figures: Vec<String>,
 }
 
 /// The broker under test.
@@ -393,38 +490,89 @@ impl Database {
 async fn run_source(
     args: &Args,
     source: &'static str,
-    ledger: &std::path::Path,
+    ledger: &Path,
     seed: u64,
     deadline: Instant,
 ) -> anyhow::Result<Report> {
+    let setup = Setup {
+        source,
+        phase: Phase::Matrix,
+        ledger,
+        seed,
+        partitions: brokers::PARTITIONS,
+        database_url: &args.database_url,
+        events: args.events,
+    };
+    let (mut chaos, plan) = prepare(args, setup).await?;
+    chaos.run(args, &plan, deadline).await;
+    Ok(finish(chaos, args).await)
+}
+
+/// What one run is made of.
+struct Setup<'a> {
+    source: &'static str,
+    phase: Phase,
+    ledger: &'a Path,
+    seed: u64,
+    /// Kafka: partitions of the topic.
+    partitions: i32,
+    /// A role that may create databases.
+    database_url: &'a str,
+    /// Unique payment events in the plan.
+    events: u32,
+}
+
+/// A fresh topic or queue, database and log directory, and the events to publish.
+async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Chaos, Plan)> {
+    let Setup {
+        source,
+        phase,
+        ledger,
+        seed,
+        partitions,
+        database_url,
+        events,
+    } = setup;
     let started = Instant::now();
     let mut rng = fastrand::Rng::with_seed(seed);
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
-    let tag = format!("{stamp}-{:04x}", rng.u16(..));
-    println!("\n== {source}: seed {seed}");
+    let tag = match phase {
+        Phase::Matrix => format!("{stamp}-{:04x}", rng.u16(..)),
+        other => format!("{}-{stamp}-{:04x}", other.name(), rng.u16(..)),
+    };
+    match phase {
+        Phase::Matrix => println!("\n== {source}: seed {seed}"),
+        other => println!("\n== {source} {}: seed {seed}", other.name()),
+    }
     let side = match source {
-        "kafka" => Side::Kafka(Kafka::create(&args.brokers, &tag, args.kafka_session_timeout_ms).await?),
+        "kafka" => {
+            Side::Kafka(Kafka::create(&args.brokers, &tag, partitions, args.kafka_session_timeout_ms).await?)
+        }
         _ => Side::Amqp(Box::new(Amqp::create(&args.amqp_url, &tag).await?)),
     };
-    let db = Database::create(
-        &args.database_url,
-        &format!("ledger_chaos_{}", tag.replace('-', "_")),
-    )
-    .await?;
+    let db = Database::create(database_url, &format!("ledger_chaos_{}", tag.replace('-', "_"))).await?;
     let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));
     let resources = format!("database {}, {}, logs {}", db.name, side.name(), logs.display());
     println!("   {resources}");
-    let mut launcher = Launcher::new(ledger.to_path_buf(), side.ledger_args(), logs)?;
+    let mut ledger_args = side.ledger_args();
+    if matches!(side, Side::Kafka(_)) {
+        ledger_args.extend(
+            args.ledger_kafka_property
+                .iter()
+                .map(|p| format!("--kafka-property={p}")),
+        );
+    }
+    let mut launcher = Launcher::new(ledger.to_path_buf(), ledger_args, logs)?;
     launcher.env("DATABASE_URL", &db.url);
     launcher.env("AMQP_URL", &args.amqp_url);
     let plan = events::plan(
         &tag,
-        args.events as usize,
+        events as usize,
         args.duplicate_percent,
         args.malformed,
         &mut rng,
     );
-    let mut chaos = Chaos {
+    let chaos = Chaos {
         source,
         side,
         db,
@@ -434,18 +582,25 @@ async fn run_source(
         sabotage: args.sabotage,
         report: Report {
             source,
+            phase: phase.name(),
             resources,
             messages: plan.expected.messages,
             ..Report::default()
         },
         started,
     };
-    chaos.run(args, &plan, deadline).await;
+    Ok((chaos, plan))
+}
+
+/// Ends a run: its report, with the topic or queue, the database and the logs deleted after a
+/// clean run (kept and named in the report after a failed one).
+async fn finish(chaos: Chaos, args: &Args) -> Report {
     let Chaos {
         side,
         db,
         launcher,
         mut report,
+        started,
         ..
     } = chaos;
     report.runs = launcher.started();
@@ -460,7 +615,7 @@ async fn run_source(
         }
         let _ = std::fs::remove_dir_all(launcher.logs());
     }
-    Ok(report)
+    report
 }
 
 struct Chaos {
@@ -849,8 +1004,9 @@ impl Chaos {
 
 fn print_summary(reports: &[Report]) {
     println!(
-        "\n{:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>8}  result",
+        "\n{:<6} {:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>8}  result",
         "source",
+        "phase",
         "runs",
         "kills",
         "aborts",
@@ -863,8 +1019,9 @@ fn print_summary(reports: &[Report]) {
     );
     for r in reports {
         println!(
-            "{:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>7.0}s  {}",
+            "{:<6} {:<6} {:>5} {:>6} {:>7} {:>9} {:>20} {:>5} {:>8} {:>8} {:>7.0}s  {}",
             r.source,
+            r.phase,
             r.runs,
             r.kills,
             r.aborts,
@@ -877,25 +1034,37 @@ fn print_summary(reports: &[Report]) {
             if r.failures.is_empty() { "ok" } else { "FAILED" }
         );
     }
-    println!(
-        "\n{:<14} {}",
-        "crash point",
-        reports
-            .iter()
-            .map(|r| format!("{:<36}", r.source))
-            .collect::<String>()
-    );
-    for point in crash::POINTS {
-        let cells: String = reports
-            .iter()
-            .map(|r| {
-                format!(
-                    "{:<36}",
-                    r.points.get(point).map(|p| p.to_string()).unwrap_or_default()
-                )
-            })
-            .collect();
-        println!("{point:<14} {cells}");
+    let matrix: Vec<&Report> = reports
+        .iter()
+        .filter(|r| r.phase == Phase::Matrix.name())
+        .collect();
+    if !matrix.is_empty() {
+        println!(
+            "\n{:<14} {}",
+            "crash point",
+            matrix
+                .iter()
+                .map(|r| format!("{:<36}", r.source))
+                .collect::<String>()
+        );
+        for point in crash::POINTS {
+            let cells: String = matrix
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{:<36}",
+                        r.points.get(point).map(|p| p.to_string()).unwrap_or_default()
+                    )
+                })
+                .collect();
+            println!("{point:<14} {cells}");
+        }
+    }
+    for r in reports.iter().filter(|r| !r.figures.is_empty()) {
+        println!("\n{} {}:", r.source, r.phase);
+        for line in &r.figures {
+            println!("  {line}");
+        }
     }
     println!("(duplicates absorbed: published copies beyond the first that left no second entry; the redeliveries caused by the kills are absorbed too but not counted)");
 }

@@ -18,6 +18,8 @@ pub struct Launcher {
     env: Vec<(String, String)>,
     logs: PathBuf,
     started: u32,
+    /// `RUST_LOG` for the children unless `CHAOS_LEDGER_LOG` says otherwise.
+    log_filter: String,
 }
 
 impl Launcher {
@@ -30,6 +32,7 @@ impl Launcher {
             env: Vec::new(),
             logs,
             started: 0,
+            log_filter: "info".into(),
         })
     }
 
@@ -37,6 +40,16 @@ impl Launcher {
     /// than on command lines, where `ps` shows them.
     pub fn env(&mut self, key: &str, value: &str) {
         self.env.push((key.to_owned(), value.to_owned()));
+    }
+
+    /// Adds an argument for every child started from now on.
+    pub fn arg(&mut self, arg: String) {
+        self.args.push(arg);
+    }
+
+    /// The children's `RUST_LOG` (default `info`; `CHAOS_LEDGER_LOG` wins).
+    pub fn log_filter(&mut self, filter: &str) {
+        self.log_filter = filter.to_owned();
     }
 
     /// Where the children's logs are.
@@ -67,7 +80,7 @@ impl Launcher {
             .arg(format!("--consumer-name={consumer_name}"))
             .env(
                 "RUST_LOG",
-                std::env::var("CHAOS_LEDGER_LOG").unwrap_or_else(|_| "info".into()),
+                std::env::var("CHAOS_LEDGER_LOG").unwrap_or_else(|_| self.log_filter.clone()),
             )
             .env_remove(txinbox::crash::ENV)
             // Errors are reported by their messages; backtraces would bury them in the logs.

@@ -426,6 +426,20 @@ impl Running {
     }
 }
 
+impl Running {
+    /// Waits for the consumer to stop by itself with an error, and returns it.
+    pub async fn failure(mut self, within: Duration) -> txinbox::Error {
+        let result = tokio::time::timeout(within, &mut self.task)
+            .await
+            .expect("the consumer fails within the time given")
+            .expect("consumer task");
+        match result {
+            Err(e) => e,
+            Ok(()) => panic!("the consumer stopped without an error"),
+        }
+    }
+}
+
 /// Reads every record of `topic` from the beginning (without a group), until `n` or `within`.
 pub fn read_all(
     brokers: &str,

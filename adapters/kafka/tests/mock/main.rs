@@ -30,6 +30,7 @@ enum Command {
     RequestErrors(RDKafkaApiKey, Vec<RDKafkaRespErr>, std_mpsc::Sender<()>),
     BrokerDown(i32, std_mpsc::Sender<()>),
     BrokerUp(i32, std_mpsc::Sender<()>),
+    TopicError(String, RDKafkaRespErr, std_mpsc::Sender<()>),
 }
 
 impl Mock {
@@ -55,6 +56,10 @@ impl Mock {
                     }
                     Command::BrokerUp(id, done) => {
                         cluster.broker_up(id).unwrap();
+                        let _ = done.send(());
+                    }
+                    Command::TopicError(name, error, done) => {
+                        cluster.topic_error(&name, error).unwrap();
                         let _ = done.send(());
                     }
                 }
@@ -116,9 +121,15 @@ fn group_offsets(brokers: &str, group: &str, topic: &str, partitions: i32) -> BT
 }
 
 fn setup(partitions: i32) -> (Mock, String) {
+    setup_topic("deposits", partitions)
+}
+
+/// Like [`setup`] with a topic name of the test's own (metrics are labelled by topic and the
+/// recorder is shared by the tests of this binary).
+fn setup_topic(name: &str, partitions: i32) -> (Mock, String) {
     init_tracing();
     let mock = Mock::start(1);
-    let topic = "deposits".to_string();
+    let topic = name.to_string();
     mock.topic(&topic, partitions);
     mock.topic(&format!("{topic}.dlq"), 1);
     (mock, topic)
@@ -230,6 +241,10 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+mod dead_letters;
+mod metrics;
+mod missing_positions;
 
 mod tokio_util_like {
     use std::sync::atomic::{AtomicBool, Ordering};
