@@ -108,6 +108,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// `content-language`, `content-location`, `location`, `etag`, `last-modified`,
     /// `cache-control`, `link`.
     pub fn new(pool: Pool<DB>) -> Self {
+        crate::telemetry::describe();
         IdempotencyLayer {
             config: Arc::new(Config {
                 pool,

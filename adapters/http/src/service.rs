@@ -211,6 +211,7 @@ where
     };
 
     // BEGIN (with the bounded lock wait), then the claim: the decision.
+    let _in_flight = telemetry::InFlight::enter(&route);
     let started = Instant::now();
     let mut tx: Tx<DB> = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
