@@ -224,6 +224,22 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 }
 
+/// A layer on the pool of a consumer's PostgreSQL inbox: HTTP requests and messages then share
+/// one database, one schema and one migration ledger.
+impl From<&txinbox::PostgresInbox> for IdempotencyLayer<Postgres> {
+    fn from(inbox: &txinbox::PostgresInbox) -> Self {
+        Self::new(inbox.pool().clone())
+    }
+}
+
+/// A layer on the pool of an embedded SQLite inbox (with its connection settings: WAL,
+/// `synchronous = FULL`, busy timeout).
+impl From<&txinbox::SqliteInbox> for IdempotencyLayer<txinbox::sqlx::Sqlite> {
+    fn from(inbox: &txinbox::SqliteInbox) -> Self {
+        Self::new(inbox.pool().clone())
+    }
+}
+
 impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
     type Service = Idempotency<S, DB>;
 

@@ -274,7 +274,7 @@ async fn concurrent_512_requests_one_key_one_effect_short_wait() {
 #[tokio::test]
 async fn replay_returns_stored_status_headers_and_body() {
     let pool = db(4).await;
-    let app = app(IdempotencyLayer::new(pool.clone()));
+    let app = app(IdempotencyLayer::from(&txinbox::PostgresInbox::new(pool.clone())));
     let (s1, h1, b1) = send(&app, req("t1", Some("\"abc\""), 5).body(body(5)).unwrap()).await;
     assert_eq!(s1, StatusCode::CREATED);
     assert!(!h1.contains_key("idempotent-replayed"));
