@@ -31,7 +31,7 @@
 //! cargo run --release --example payments_api -- --listen 127.0.0.1:8080   # embedded store
 //! cargo run --release --example payments_api -- --listen 127.0.0.1:8080 \
 //!     --database-url postgres://postgres@127.0.0.1:5432/postgres [--publish-kafka 127.0.0.1:9092]
-//! cargo run --release --example payments_api -- --bench --database-url URL [--requests 5000 --concurrency 8]
+//! cargo run --release --example payments_api -- --bench --database-url URL [--requests 5000 --concurrency 8 --rounds 3]
 //! curl -si localhost:8080/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
 //!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
 //! ```
@@ -87,6 +87,9 @@ struct Args {
     /// `--bench`: requests in flight.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// `--bench`: rounds, interleaved across scenarios (the median round is shown).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 #[derive(Clone)]
@@ -286,90 +289,211 @@ async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// `--bench`: requests/s and latency percentiles per scenario, same process, same pool.
-async fn bench(pool: PgPool, requests: usize, concurrency: usize) {
-    use tower::ServiceExt;
+/// `--bench`: requests/s and latency percentiles per scenario, same process, same pool; once
+/// through tower in process, once over loopback sockets (HTTP/1.1 keep-alive, one connection
+/// per worker).
+async fn bench(pool: PgPool, requests: usize, concurrency: usize, rounds: usize) {
     let app = router(pool, "payments.bench".into(), true);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(std::future::IntoFuture::into_future(axum::serve(
+        listener,
+        app.clone(),
+    )));
     let run_id = format!("{:08x}", rand_u128() as u32);
-    println!("POST /payments in process (tower oneshot, no sockets): {requests} requests per scenario, {concurrency} in flight");
-    println!("| scenario | requests/s | p50 ms | p99 ms | statuses |");
-    println!("|---|---:|---:|---:|---|");
-    for scenario in [
-        "without layer",
-        "without layer, + 2 × SELECT 1",
-        "with layer, new keys",
-        "with layer, replays",
-    ] {
-        if scenario == "with layer, replays" {
-            // The key to replay exists before timing starts.
-            let _ = app.clone().oneshot(bench_request(scenario, &run_id, 0)).await;
-        }
-        let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let started = std::time::Instant::now();
-        let mut workers = Vec::new();
-        for _ in 0..concurrency {
-            let (app, next, run_id) = (app.clone(), next.clone(), run_id.clone());
-            workers.push(tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= requests {
-                        return (lat, statuses);
-                    }
-                    let t = std::time::Instant::now();
-                    let res = app
-                        .clone()
-                        .oneshot(bench_request(scenario, &run_id, i))
+    for socket in [false, true] {
+        let how = if socket {
+            "over loopback sockets (HTTP/1.1 keep-alive, a connection per worker)"
+        } else {
+            "in process (tower oneshot, no sockets)"
+        };
+        println!();
+        println!(
+            "POST /payments {how}: {requests} requests per scenario and round, {concurrency} in flight, \
+             {rounds} interleaved rounds, the round with the median requests/s shown"
+        );
+        println!("| scenario | requests/s | p50 ms | p99 ms | statuses |");
+        println!("|---|---:|---:|---:|---|");
+        let scenarios = [
+            "without layer",
+            "without layer, + 2 × SELECT 1",
+            "with layer, new keys",
+            "with layer, replays",
+        ];
+        let mut results: Vec<Vec<(f64, f64, f64, String)>> = vec![Vec::new(); scenarios.len()];
+        for round in 0..rounds {
+            for (n, scenario) in scenarios.iter().copied().enumerate() {
+                let run_id = format!("{run_id}-{socket}-{round}");
+                if scenario == "with layer, replays" {
+                    // The key to replay exists before timing starts.
+                    let _ = Transport::new(socket, &app, addr)
                         .await
-                        .unwrap();
-                    *statuses.entry(res.status().as_u16()).or_default() += 1;
-                    let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
-                    lat.push(t.elapsed());
+                        .call(&bench_parts(scenario, &run_id, 0))
+                        .await;
                 }
-            }));
-        }
-        let mut lat = Vec::new();
-        let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
-        for w in workers {
-            let (l, s) = w.await.unwrap();
-            lat.extend(l);
-            for (k, v) in s {
-                *statuses.entry(k).or_default() += v;
+                results[n].push(measure(socket, &app, addr, scenario, &run_id, requests, concurrency).await);
             }
         }
-        let statuses: Vec<String> = statuses.iter().map(|(k, v)| format!("{v}×{k}")).collect();
-        let elapsed = started.elapsed();
-        lat.sort();
-        let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0;
-        println!(
-            "| {scenario} | {:.0} | {:.2} | {:.2} | {} |",
-            requests as f64 / elapsed.as_secs_f64(),
-            pct(0.50),
-            pct(0.99),
-            statuses.join(", ")
-        );
+        for (scenario, mut rows) in scenarios.iter().zip(results) {
+            rows.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let (rps, p50, p99, statuses) = &rows[rows.len() / 2];
+            println!("| {scenario} | {rps:.0} | {p50:.2} | {p99:.2} | {statuses} |");
+        }
     }
 }
 
-fn bench_request(scenario: &str, run_id: &str, i: usize) -> axum::http::Request<axum::body::Body> {
+/// One scenario once: (requests/s, p50 ms, p99 ms, status counts).
+async fn measure(
+    socket: bool,
+    app: &Router,
+    addr: SocketAddr,
+    scenario: &'static str,
+    run_id: &str,
+    requests: usize,
+    concurrency: usize,
+) -> (f64, f64, f64, String) {
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = std::time::Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (app, next, run_id) = (app.clone(), next.clone(), run_id.to_owned());
+        workers.push(tokio::spawn(async move {
+            let mut transport = Transport::new(socket, &app, addr).await;
+            let mut lat = Vec::new();
+            let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= requests {
+                    return (lat, statuses);
+                }
+                let parts = bench_parts(scenario, &run_id, i);
+                let t = std::time::Instant::now();
+                let status = transport.call(&parts).await;
+                lat.push(t.elapsed());
+                *statuses.entry(status).or_default() += 1;
+            }
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for w in workers {
+        let (l, s) = w.await.unwrap();
+        lat.extend(l);
+        for (k, v) in s {
+            *statuses.entry(k).or_default() += v;
+        }
+    }
+    let statuses: Vec<String> = statuses.iter().map(|(k, v)| format!("{v}×{k}")).collect();
+    let elapsed = started.elapsed();
+    lat.sort();
+    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)].as_secs_f64() * 1000.0;
+    (
+        requests as f64 / elapsed.as_secs_f64(),
+        pct(0.50),
+        pct(0.99),
+        statuses.join(", "),
+    )
+}
+
+/// One benchmark request: path, headers, body.
+struct BenchRequest {
+    path: &'static str,
+    headers: Vec<(&'static str, String)>,
+    body: String,
+}
+
+fn bench_parts(scenario: &str, run_id: &str, i: usize) -> BenchRequest {
     let (path, key) = match scenario {
         "without layer" | "without layer, + 2 × SELECT 1" => ("/bench/plain-payments", None),
         "with layer, new keys" => ("/payments", Some(format!("bench-{run_id}-{i}"))),
         _ => ("/payments", Some(format!("bench-{run_id}-replayed"))),
     };
-    let mut b = axum::http::Request::post(path)
-        .header(header::AUTHORIZATION, "Bearer bench")
-        .header(header::CONTENT_TYPE, "application/json");
+    let mut headers = vec![
+        ("authorization", "Bearer bench".to_owned()),
+        ("content-type", "application/json".to_owned()),
+    ];
     if let Some(k) = key {
-        b = b.header("idempotency-key", k);
+        headers.push(("idempotency-key", k));
     }
     if scenario.contains("SELECT 1") {
-        b = b.header("x-bench-round-trips", "2");
+        headers.push(("x-bench-round-trips", "2".to_owned()));
     }
     // 64 accounts: contention on balances like a real workload, not one hot row.
-    let body = json!({"account": format!("acct-{}", if scenario.ends_with("replays") { 0 } else { i % 64 }), "amount_cents": 100});
-    b.body(axum::body::Body::from(body.to_string())).unwrap()
+    let account = if scenario.ends_with("replays") { 0 } else { i % 64 };
+    let body = json!({"account": format!("acct-{account}"), "amount_cents": 100}).to_string();
+    BenchRequest { path, headers, body }
+}
+
+/// How the benchmark reaches the router.
+enum Transport {
+    InProcess(Router),
+    Socket(tokio::io::BufReader<tokio::net::TcpStream>),
+}
+
+impl Transport {
+    async fn new(socket: bool, app: &Router, addr: SocketAddr) -> Transport {
+        if socket {
+            let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.set_nodelay(true).unwrap();
+            Transport::Socket(tokio::io::BufReader::new(s))
+        } else {
+            Transport::InProcess(app.clone())
+        }
+    }
+
+    /// Sends the request, reads the whole response; its status.
+    async fn call(&mut self, r: &BenchRequest) -> u16 {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        use tower::ServiceExt;
+        match self {
+            Transport::InProcess(app) => {
+                let mut b = axum::http::Request::post(r.path);
+                for (k, v) in &r.headers {
+                    b = b.header(*k, v);
+                }
+                let res = app
+                    .clone()
+                    .oneshot(b.body(axum::body::Body::from(r.body.clone())).unwrap())
+                    .await
+                    .unwrap();
+                let status = res.status().as_u16();
+                let _ = axum::body::to_bytes(res.into_body(), usize::MAX).await;
+                status
+            }
+            Transport::Socket(s) => {
+                let mut wire = format!(
+                    "POST {} HTTP/1.1\r\nhost: bench\r\ncontent-length: {}\r\n",
+                    r.path,
+                    r.body.len()
+                );
+                for (k, v) in &r.headers {
+                    wire.push_str(&format!("{k}: {v}\r\n"));
+                }
+                wire.push_str("\r\n");
+                wire.push_str(&r.body);
+                s.get_mut().write_all(wire.as_bytes()).await.unwrap();
+                let mut line = String::new();
+                s.read_line(&mut line).await.unwrap();
+                let status = line.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+                let mut length = 0usize;
+                loop {
+                    line.clear();
+                    s.read_line(&mut line).await.unwrap();
+                    if line == "\r\n" || line.is_empty() {
+                        break;
+                    }
+                    if let Some((k, v)) = line.split_once(':') {
+                        if k.eq_ignore_ascii_case("content-length") {
+                            length = v.trim().parse().unwrap();
+                        }
+                    }
+                }
+                let mut body = vec![0; length];
+                s.read_exact(&mut body).await.unwrap();
+                status
+            }
+        }
+    }
 }
 
 /// The embedded store: the same contract on SQLite, without the outbox (PostgreSQL only).
@@ -558,7 +682,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     setup(&pool).await?;
     if args.bench {
-        bench(pool, args.requests, args.concurrency).await;
+        bench(pool, args.requests, args.concurrency, args.rounds.max(1)).await;
         return Ok(());
     }
 

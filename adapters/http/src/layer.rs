@@ -108,6 +108,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// `content-language`, `content-location`, `location`, `etag`, `last-modified`,
     /// `cache-control`, `link`.
     pub fn new(pool: Pool<DB>) -> Self {
+        crate::telemetry::describe();
         IdempotencyLayer {
             config: Arc::new(Config {
                 pool,
@@ -220,6 +221,22 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 c.stored_headers.push(name)
             }
         })
+    }
+}
+
+/// A layer on the pool of a consumer's PostgreSQL inbox: HTTP requests and messages then share
+/// one database, one schema and one migration ledger.
+impl From<&txinbox::PostgresInbox> for IdempotencyLayer<Postgres> {
+    fn from(inbox: &txinbox::PostgresInbox) -> Self {
+        Self::new(inbox.pool().clone())
+    }
+}
+
+/// A layer on the pool of an embedded SQLite inbox (with its connection settings: WAL,
+/// `synchronous = FULL`, busy timeout).
+impl From<&txinbox::SqliteInbox> for IdempotencyLayer<txinbox::sqlx::Sqlite> {
+    fn from(inbox: &txinbox::SqliteInbox) -> Self {
+        Self::new(inbox.pool().clone())
     }
 }
 

@@ -46,7 +46,8 @@
 //! | request body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) | nothing | 413 `request-too-large` |
 //! | response body over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) | rolled back, or stored without body ([`OversizedResponse`]) | 500 `response-not-stored`, or the full response |
 //! | database unreachable | nothing | 503 `store-unavailable` + `Retry-After` |
-//! | COMMIT outcome unknown | committed or not | 503 `store-unavailable` + `Retry-After`; the retry replays or runs afresh |
+//! | COMMIT outcome unknown (connection lost) | committed or not | 503 `store-unavailable` + `Retry-After`; the retry replays or runs afresh |
+//! | COMMIT refused (a deferred constraint) | rolled back | 500 `response-not-stored`; the key is not used up |
 //! | process killed anywhere before COMMIT | PostgreSQL rolls the transaction back | none; the retry runs afresh |
 //! | record older than [`ttl`](IdempotencyLayer::ttl) (24 h) | the key is claimed afresh; [`purge_expired`] deletes old records | as for a new key |
 //!

@@ -211,6 +211,7 @@ where
     };
 
     // BEGIN (with the bounded lock wait), then the claim: the decision.
+    let _in_flight = telemetry::InFlight::enter(&route);
     let started = Instant::now();
     let mut tx: Tx<DB> = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
@@ -379,14 +380,7 @@ where
     // COMMIT not sent.
     txinbox::crash::hit(txinbox::crash::AFTER_HANDLER);
     if let Err(e) = tx.commit().await {
-        // NOTE: the outcome is unknown. The retry finds the stored response or nothing.
-        tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
-        return problem(
-            Outcome::CommitUnknown,
-            Problem::Unavailable,
-            "the database connection failed while committing; retry with the same key: it replays the stored response or runs afresh",
-            c,
-        );
+        return commit_failed(&e, c);
     }
     // Crash-matrix tests: killed after COMMIT, before the response leaves.
     txinbox::crash::hit(txinbox::crash::AFTER_COMMIT);
@@ -456,15 +450,35 @@ where
         return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
     }
     if let Err(e) = tx.commit().await {
-        tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
-        return problem(
-            Outcome::CommitUnknown,
-            Problem::Unavailable,
-            "the database connection failed while committing; the outcome is unknown",
-            c,
-        );
+        return commit_failed(&e, c);
     }
     (Outcome::NoKey, Ok(res.map(Body::new)))
+}
+
+/// A failed COMMIT. An error the database answered (a deferred constraint, a serialization
+/// failure) means it rolled back; a lost connection leaves the outcome unknown.
+fn commit_failed<E, DB: Backend>(e: &sqlx::Error, c: &Config<DB>) -> Answer<E> {
+    match DB::classify(e) {
+        Failure::Fatal | Failure::Aborted => {
+            tracing::error!(error = %e, "the database refused the COMMIT; rolled back");
+            problem(
+                Outcome::NotStored,
+                Problem::NotStored,
+                "the database refused to commit the handler's effects (e.g. a deferred constraint); nothing was committed",
+                c,
+            )
+        }
+        Failure::Unavailable | Failure::LockWait => {
+            // NOTE: the outcome may be unknown. The retry finds the stored response or nothing.
+            tracing::warn!(error = %e, "COMMIT failed, outcome unknown");
+            problem(
+                Outcome::CommitUnknown,
+                Problem::Unavailable,
+                "the database failed while committing; retry with the same key: it replays the stored response or runs afresh",
+                c,
+            )
+        }
+    }
 }
 
 /// Calls the inner service; `Err(())` if it panicked.

@@ -157,3 +157,98 @@ async fn killed_between_commit_and_response_then_retry_is_one_effect() {
     );
     assert_eq!(count(&p, "effects").await, 1);
 }
+
+// The same on the embedded SQLite store: an aborted process leaves an uncommitted WAL tail,
+// which SQLite discards when the file is opened again.
+
+const CHILD_SQLITE: &str = "TXINBOX_HTTP_CRASH_SQLITE";
+
+async fn sqlite_pool(path: &str) -> txinbox::sqlx::SqlitePool {
+    use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(txinbox::SqliteInbox::connect_options(
+            SqliteConnectOptions::new().filename(path).create_if_missing(true),
+        ))
+        .await
+        .unwrap()
+}
+
+async fn sqlite_effect(mut tx: IdempotentTx<txinbox::sqlx::Sqlite>) -> (StatusCode, &'static str) {
+    txinbox::sqlx::query("INSERT INTO effects DEFAULT VALUES")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    (StatusCode::CREATED, "done")
+}
+
+fn sqlite_app(pool: txinbox::sqlx::SqlitePool) -> Router {
+    let layer = IdempotencyLayer::new(pool).principal(|_| Some("tenant".into()));
+    Router::new().route("/effect", post(sqlite_effect).layer(layer))
+}
+
+#[tokio::test]
+async fn crash_child_sqlite() {
+    let Ok(path) = std::env::var(CHILD_SQLITE) else {
+        return;
+    };
+    let _ = request(&sqlite_app(sqlite_pool(&path).await)).await;
+    unreachable!("the crash point should have aborted the process");
+}
+
+async fn sqlite_kill_at(point: &str) -> txinbox::sqlx::SqlitePool {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "txinbox_http_crash_{}_{}.db",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    let path = path.to_str().unwrap().to_owned();
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{path}{suffix}"));
+    }
+    let p = sqlite_pool(&path).await;
+    txinbox::migrate_sqlite(&p).await.unwrap();
+    p.execute("CREATE TABLE effects (seq INTEGER PRIMARY KEY)")
+        .await
+        .unwrap();
+    p.close().await;
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_child_sqlite", "--nocapture", "--test-threads=1"])
+        .env(CHILD_SQLITE, &path)
+        .env(txinbox::crash::ENV, point)
+        .status()
+        .unwrap();
+    assert!(!status.success(), "the child must die at {point}");
+    sqlite_pool(&path).await
+}
+
+async fn sqlite_count(p: &txinbox::sqlx::SqlitePool, table: &str) -> i64 {
+    txinbox::sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+        .fetch_one(p)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn sqlite_killed_between_handler_and_commit_then_retry_is_one_effect() {
+    let p = sqlite_kill_at(txinbox::crash::AFTER_HANDLER).await;
+    assert_eq!(sqlite_count(&p, "effects").await, 0, "nothing committed");
+    assert_eq!(
+        sqlite_count(&p, "txinbox_http_idempotency").await,
+        0,
+        "no stuck key"
+    );
+    let app = sqlite_app(p.clone());
+    assert_eq!(request(&app).await, (StatusCode::CREATED, false));
+    assert_eq!(request(&app).await, (StatusCode::CREATED, true));
+    assert_eq!(sqlite_count(&p, "effects").await, 1);
+}
+
+#[tokio::test]
+async fn sqlite_killed_between_commit_and_response_then_retry_is_one_effect() {
+    let p = sqlite_kill_at(txinbox::crash::AFTER_COMMIT).await;
+    assert_eq!(sqlite_count(&p, "effects").await, 1, "committed before the kill");
+    assert_eq!(request(&sqlite_app(p.clone())).await, (StatusCode::CREATED, true));
+    assert_eq!(sqlite_count(&p, "effects").await, 1);
+}

@@ -34,6 +34,26 @@ async fn db(max_connections: u32) -> PgPool {
     );
     let admin: PgConnectOptions = admin_url().parse().unwrap();
     let mut conn = admin.connect().await.expect("PostgreSQL at DATABASE_URL");
+    // Databases left by earlier runs of this crate's tests (a failing test keeps its own), once
+    // per process, and only those nobody is connected to.
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let mut c = admin.connect().await.unwrap();
+            let stale: Vec<String> = sqlx::query_scalar(
+                "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_http\\_%'
+                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
+            )
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+            for db in stale {
+                let _ = c
+                    .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+                    .await;
+            }
+        })
+        .await;
     conn.execute(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
     )))
@@ -89,6 +109,12 @@ async fn pay(
     if let Some(ms) = headers.get("x-sleep-ms") {
         let ms: u64 = ms.to_str().unwrap().parse().unwrap();
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if headers.contains_key("x-deferred-violation") {
+        sqlx::query("INSERT INTO kids (parent) VALUES (999)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
     }
     if headers.contains_key("x-swallow") {
         let _ = sqlx::query("SELECT 1/0").execute(&mut *tx).await;
@@ -248,7 +274,7 @@ async fn concurrent_512_requests_one_key_one_effect_short_wait() {
 #[tokio::test]
 async fn replay_returns_stored_status_headers_and_body() {
     let pool = db(4).await;
-    let app = app(IdempotencyLayer::new(pool.clone()));
+    let app = app(IdempotencyLayer::from(&txinbox::PostgresInbox::new(pool.clone())));
     let (s1, h1, b1) = send(&app, req("t1", Some("\"abc\""), 5).body(body(5)).unwrap()).await;
     assert_eq!(s1, StatusCode::CREATED);
     assert!(!h1.contains_key("idempotent-replayed"));
@@ -702,4 +728,76 @@ async fn concurrent_requests_on_an_expired_key_take_it_over_once() {
         "one request takes the expired key over, the rest replay it"
     );
     assert_eq!(effects(&pool).await, 2);
+}
+
+#[tokio::test]
+async fn commit_refused_by_a_deferred_constraint_is_500_and_nothing_stored() {
+    let pool = db(4).await;
+    pool.execute(
+        "CREATE TABLE parents (id int PRIMARY KEY);
+         CREATE TABLE kids (parent int REFERENCES parents DEFERRABLE INITIALLY DEFERRED);",
+    )
+    .await
+    .unwrap();
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let r = req("t1", Some("kd"), 1)
+        .header("x-deferred-violation", "1")
+        .body(body(1))
+        .unwrap();
+    let (s, h, b) = send(&app, r).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(
+        !h.contains_key("retry-after"),
+        "a refused COMMIT is known: rolled back"
+    );
+    assert_eq!(problem_code(&b), "response-not-stored");
+    assert_eq!((effects(&pool).await, records(&pool).await), (0, 0));
+    // The key is not used up.
+    assert_eq!(
+        send(&app, req("t1", Some("kd"), 1).body(body(1)).unwrap())
+            .await
+            .0,
+        StatusCode::CREATED
+    );
+    assert_eq!(effects(&pool).await, 1);
+}
+
+#[tokio::test]
+async fn connection_lost_during_commit_is_503_then_retry_is_one_effect() {
+    let pool = db(4).await;
+    // The first COMMIT that reaches this deferred trigger ends its own session: the client sees
+    // the connection drop while committing (outcome unknown to it; here, rolled back).
+    pool.execute(
+        "CREATE SEQUENCE die_once;
+         CREATE FUNCTION die_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('die_once') = 1 THEN PERFORM pg_terminate_backend(pg_backend_pid()); END IF;
+             RETURN NULL;
+         END $$;
+         CREATE CONSTRAINT TRIGGER die_at_commit AFTER INSERT ON effects
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION die_at_commit();",
+    )
+    .await
+    .unwrap();
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let (s, h, b) = send(&app, req("t1", Some("kc"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(
+        s,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        String::from_utf8_lossy(&b)
+    );
+    assert!(h.contains_key("retry-after"));
+    assert_eq!(problem_code(&b), "store-unavailable");
+    assert!(
+        String::from_utf8_lossy(&b).contains("while committing"),
+        "the COMMIT path"
+    );
+    assert_eq!((effects(&pool).await, records(&pool).await), (0, 0));
+    let (s, h, _) = send(&app, req("t1", Some("kc"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(!h.contains_key("idempotent-replayed"));
+    let (_, h, _) = send(&app, req("t1", Some("kc"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(effects(&pool).await, 1);
 }

@@ -135,7 +135,7 @@ async fn sqlite_concurrent_64_requests_one_key_one_effect() {
 #[tokio::test]
 async fn sqlite_replay_mismatch_scopes_and_5xx() {
     let (pool, _path) = db().await;
-    let app = app(IdempotencyLayer::new(pool.clone()));
+    let app = app(IdempotencyLayer::from(&txinbox::SqliteInbox::new(pool.clone())));
     // 5xx: rolled back, key not used up.
     assert_eq!(
         send(&app, "t", "k", 1, &[("x-fail", "1")]).await.0,

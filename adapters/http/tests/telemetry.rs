@@ -81,7 +81,7 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
         })
     });
     let mut outcomes = Vec::new();
-    let (mut stored, mut claims) = (0, 0);
+    let (mut stored, mut claims, mut in_flight) = (0, 0, None);
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
         let label = |k: &str| {
             key.key()
@@ -96,6 +96,7 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
             }
             ("txinbox_http_stored_bytes_total", DebugValue::Counter(n)) => stored += n,
             ("txinbox_http_claim_duration_seconds", DebugValue::Histogram(h)) => claims += h.len(),
+            ("txinbox_http_in_flight", DebugValue::Gauge(g)) => in_flight = Some(g.into_inner()),
             _ => {}
         }
     }
@@ -112,6 +113,7 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
     assert_eq!(outcomes, expected);
     assert_eq!(stored, "created!".len() as u64);
     assert_eq!(claims, 3, "one claim per request with a key");
+    assert_eq!(in_flight, Some(0.0), "the in-flight gauge is back to 0");
     let logs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     for outcome in ["executed", "replayed", "key_reused", "missing_key"] {
         assert!(
