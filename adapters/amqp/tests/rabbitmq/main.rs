@@ -238,7 +238,8 @@ async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_
         db: &db,
         handler: handler.clone(),
         concurrency: 4,
-        retry: fast_retries(),
+        // A requested delay is honoured up to max_delay.
+        retry: fast_retries().max_delay(DELAY * 2),
     };
     let probe = Arc::new(Probe::default());
     let consumer = start(&spec, queue.config(8), &probe, 0).await;
