@@ -93,6 +93,29 @@ enum Command {
     /// Inspect and resolve dead letters.
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLetterCommand),
+    /// HTTP Idempotency-Key records (txinbox-http).
+    #[command(subcommand)]
+    Http(HttpCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum HttpCommand {
+    /// Delete expired Idempotency-Key records in batches, after showing how many and a
+    /// confirmation. An expired key is new again anyway: this only frees space.
+    Purge(HttpPurgeArgs),
+}
+
+#[derive(Debug, Args)]
+struct HttpPurgeArgs {
+    /// Rows deleted per statement.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=100_000))]
+    batch_size: i64,
+    /// Print how many would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Delete without asking (needed when stdin is not a terminal).
+    #[arg(long)]
+    yes: bool,
 }
 
 #[derive(Debug, Args)]
@@ -519,6 +542,7 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         Command::Positions(_) => Kafka::connect("").map(|k| match k {}),
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
+        Command::Http(HttpCommand::Purge(a)) => commands::http::purge(env, a).await,
     }
 }
 

@@ -2,6 +2,7 @@
 //! confirmation.
 
 pub mod dead_letters;
+pub mod http;
 #[cfg(feature = "kafka")]
 pub mod positions;
 pub mod purge;
