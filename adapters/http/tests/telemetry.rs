@@ -45,7 +45,11 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
         .finish();
     let path = std::env::temp_dir().join(format!("txinbox_http_telemetry_{}.db", std::process::id()));
     let _ = std::fs::remove_file(&path);
-    tracing::subscriber::with_default(subscriber, || {
+    // Global, not scoped to this thread: sqlx's SQLite worker threads hold clones of the
+    // request's span while they run its statements, and the span closes where its last clone
+    // is dropped, which may be one of them. (The only test in this binary.)
+    tracing::subscriber::set_global_default(subscriber).unwrap();
+    {
         metrics::with_local_recorder(&recorder, || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -79,7 +83,7 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
                     assert_eq!(send("", "2").await.unwrap().status(), StatusCode::BAD_REQUEST);
                 });
         })
-    });
+    }
     let mut outcomes = Vec::new();
     let (mut stored, mut claims, mut in_flight) = (0, 0, None);
     for (key, _, _, value) in snapshotter.snapshot().into_vec() {
@@ -114,11 +118,23 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
     assert_eq!(stored, "created!".len() as u64);
     assert_eq!(claims, 3, "one claim per request with a key");
     assert_eq!(in_flight, Some(0.0), "the in-flight gauge is back to 0");
-    let logs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
-    for outcome in ["executed", "replayed", "key_reused", "missing_key"] {
+    let closed = |logs: &str, outcome: &str| {
+        logs.contains(&format!("txinbox.http.outcome=\"{outcome}\""))
+            || logs.contains(&format!("txinbox.http.outcome={outcome}"))
+    };
+    let outcomes = ["executed", "replayed", "key_reused", "missing_key"];
+    // A span whose last clone a SQLite worker thread holds closes when that thread lets go.
+    let started = std::time::Instant::now();
+    let logs = loop {
+        let logs = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        if outcomes.iter().all(|o| closed(&logs, o)) || started.elapsed().as_secs() >= 5 {
+            break logs;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    for outcome in outcomes {
         assert!(
-            logs.contains(&format!("txinbox.http.outcome=\"{outcome}\""))
-                || logs.contains(&format!("txinbox.http.outcome={outcome}")),
+            closed(&logs, outcome),
             "span closed with outcome {outcome}:\n{logs}"
         );
     }
