@@ -793,18 +793,30 @@ where
     }
 }
 
+/// Consecutive "busy" failures of one operation (a saturated pool, a statement timeout) after
+/// which the database is reported unavailable: with the backoff between them (100 ms doubling),
+/// some seconds plus six acquire timeouts.
+const BUSY_BEFORE_OUTAGE: u32 = 6;
+
 /// Pauses intake while the database is unavailable; stops the consumer on a fatal error
-/// (`None`); contention only backs off the message.
+/// (`None`); contention only backs off the message, as does a busy database until it has been
+/// busy for [`BUSY_BEFORE_OUTAGE`] tries.
 fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32) -> Option<()> {
     if !e.is_transient() {
         shared.fail(Error::Store(e));
         return None;
     }
-    if !e.is_unavailable() {
+    if !e.is_unavailable() && failures < BUSY_BEFORE_OUTAGE {
         // A lock conflict, a timeout, a saturated pool: the database is up. This message backs
         // off, intake goes on, and it is not counted or reported as an outage.
         tracing::info!(error = %e, "inbox transaction could not run now; backing off");
         return Some(());
+    }
+    if !e.is_unavailable() && failures == BUSY_BEFORE_OUTAGE {
+        // Busy for this long looks like an outage from here, and may be one: a server that
+        // stopped answering leaves every pooled connection stuck in its transaction, so the
+        // pool is "full" until TCP gives up. Pause intake and say so.
+        tracing::warn!(error = %e, failures, "inbox database busy for too long; treating it as unavailable");
     }
     shared.metrics.store_errors.increment(1);
     if failures == 1 {

@@ -48,6 +48,48 @@ async fn a_saturated_pool_is_backpressure_not_an_outage() {
     );
 }
 
+/// A pool that stays saturated is what a server that stopped answering looks like from here
+/// (every connection stuck in its transaction until TCP gives up): after some tries it is
+/// reported as an outage, so intake pauses and the store-error alert fires.
+#[tokio::test]
+async fn a_pool_saturated_for_long_is_reported_as_an_outage() {
+    snapshotter();
+    let db = TestDb::new(10).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(200))
+        .connect_with((*db.pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let held = vec![pool.acquire().await.unwrap(), pool.acquire().await.unwrap()];
+    let broker = MemoryBroker::new("payments");
+    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.close();
+    let consumer = Consumer::builder("saturated-long")
+        .source(broker.source())
+        .inbox(txinbox::PostgresInbox::new(pool.clone()))
+        .handler(DepositHandler::default())
+        .concurrency(2)
+        .build()
+        .unwrap();
+    let run = tokio::spawn(consumer.run());
+    let started = std::time::Instant::now();
+    while counter(txinbox::telemetry::STORE_ERRORS, "saturated-long", None) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "a pool saturated for 30 s is still not reported"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(held);
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("finishes once connections are free")
+        .unwrap()
+        .unwrap();
+    assert_eq!(db.balance("alice").await, 10, "and nothing was lost");
+}
+
 /// A handler asking for a retry a day later (a rate limiter's `Retry-After`, a bug) is retried
 /// after at most `max_delay`; before, the message (and with Kafka its whole partition) waited
 /// the full day.
