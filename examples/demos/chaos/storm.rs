@@ -32,8 +32,8 @@ const DRAIN_CAP: Duration = Duration::from_secs(90);
 /// While draining, no event finished and no database position moved for this long, with all
 /// members up: the group has stalled; the members' group-protocol logs say why.
 const STALL: Duration = Duration::from_secs(15);
-/// How often a stall the broker caused is recovered from (by restarting the whole group)
-/// before the storm gives up.
+/// How often a stall the broker caused is recovered from (by moving the members to a new
+/// group) before the storm gives up.
 const MAX_RECOVERIES: u32 = 2;
 
 /// Runs the storm on a fresh topic and database.
@@ -64,7 +64,7 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     };
     let outcome = storm.churn(&mut chaos, &messages, args).await;
     let outcome = match outcome {
-        Ok(()) => storm.drain(&mut chaos, args).await,
+        Ok(()) => storm.drain(&mut chaos).await,
         Err(e) => Err(e),
     };
     match outcome {
@@ -87,7 +87,7 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
         String::new()
     } else {
         format!(
-            "; {} group stalls caused by the broker, each recovered by restarting the group ({})",
+            "; {} group stalls caused by the broker, each recovered by moving the members to a new group ({})",
             storm.broker_stalls.len(),
             storm.broker_stalls.join("; ")
         )
@@ -131,7 +131,7 @@ struct Storm {
     /// The drain found the group stalled for good.
     stalled: bool,
     /// Stalls caused by the broker (a departed member kept as the group's leader), each
-    /// recovered from by restarting the group.
+    /// recovered from by moving the members to a new group.
     broker_stalls: Vec<String>,
 }
 
@@ -265,9 +265,9 @@ impl Storm {
     /// Brings every member up and waits until every event is finished and every partition's
     /// database position and group offset are at its end. A group that stops consuming is
     /// diagnosed from the members' group-protocol logs: when the broker keeps a departed member
-    /// as the group's leader (tansu does), the whole group is restarted, up to
+    /// as the group's leader (tansu does, for good), the members move to a new group, up to
     /// [`MAX_RECOVERIES`] times; any other stall fails the run once the drain's time is up.
-    async fn drain(&mut self, chaos: &mut Chaos, args: &Args) -> anyhow::Result<()> {
+    async fn drain(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
         let since = Instant::now();
         self.all_up(chaos).await?;
         let (mut assigned_before, _) = count_rebalances(chaos.launcher.logs());
@@ -301,12 +301,22 @@ impl Storm {
                     let t = Instant::now();
                     self.broker_stalls.push(why.clone());
                     println!("   storm: the group stalled: {why}");
+                    // tansu never forgets that leader, even once every member has left and
+                    // joined again: the group is wedged for good. The members move to a new
+                    // group; they start every partition at its database position, as after any
+                    // rebalance (the database, not the group, says what is done).
                     self.stop_all(chaos).await;
-                    // Let the broker forget the stopped members before they join again.
-                    let session = Duration::from_millis(u64::from(args.kafka_session_timeout_ms));
-                    tokio::time::sleep(session + Duration::from_secs(1)).await;
+                    let Side::Kafka(kafka) = &mut chaos.side else {
+                        unreachable!("the storm runs on Kafka")
+                    };
+                    let group = kafka.move_group(&format!("after-stall{}", self.broker_stalls.len()));
+                    chaos.launcher.replace_arg("--group=", format!("--group={group}"));
                     self.all_up(chaos).await?;
-                    chaos.line("group stalled (broker): restarted", "all members up again", t);
+                    chaos.line(
+                        "group wedged by the broker",
+                        &format!("members moved to group {group}"),
+                        t,
+                    );
                     (assigned_before, _) = count_rebalances(chaos.launcher.logs());
                     progress = (progress.0, Instant::now());
                     deadline = Instant::now() + DRAIN_CAP;
@@ -326,7 +336,7 @@ impl Storm {
                     })
                     .collect();
                 let diagnosis = match &stale_leader {
-                    Some(why) => format!("again after {MAX_RECOVERIES} restarts of the group: {why}"),
+                    Some(why) => format!("again after {MAX_RECOVERIES} moves to a new group: {why}"),
                     None => format!(
                         "the members logged {} partition assignments since the drain began; no departed leader in their group-protocol logs, so the members themselves may be stuck",
                         assigned - assigned_before
