@@ -83,14 +83,11 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     } else {
         ""
     };
-    let broker_stalls = if storm.broker_stalls.is_empty() {
-        String::new()
-    } else {
-        format!(
-            "; {} group stalls caused by the broker, each recovered by moving the members to a new group ({})",
-            storm.broker_stalls.len(),
-            storm.broker_stalls.join("; ")
-        )
+    let broker_stalls = match storm.broker_stalls.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} group stall(s) caused by the broker (tansu kept a departed member as the group's leader), each recovered by moving the members to a new group"
+        ),
     };
     let figures = format!(
         "{stalled}{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members{broker_stalls}; {:.0} s; lost {}, doubled {}, unacked {}",
