@@ -37,7 +37,12 @@
 //!   while the producer publishes `--storm-events` at an even pace. Then all three run until
 //!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
 //!   events, kills, graceful stops, restarts, the assignments and revocations the members
-//!   logged, duration, lost, doubled, unacked.
+//!   logged, duration, lost, doubled, unacked. The members log the group protocol
+//!   (`debug=cgrp`): a group that stops consuming during the drain is diagnosed from it. tansu
+//!   (0.6) keeps a member that stopped during a rebalance as the group's leader for good, so no
+//!   rebalance of that group ever completes again; the storm reports that stall, with the
+//!   departed leader's log, and moves the members to a new group, where they start every
+//!   partition at its database position (at most twice). Any other stall fails the run.
 //! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
 //!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
 //!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
