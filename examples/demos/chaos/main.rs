@@ -44,13 +44,15 @@
 //!   departed leader's log, and moves the members to a new group, where they start every
 //!   partition at its database position (at most twice). Any other stall fails the run.
 //! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
-//!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
-//!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
+//!   `--outage-seconds` while ledgers consume from Kafka and from RabbitMQ, and comes back; a
+//!   second Kafka member is killed just before, so that its partitions are handed over while
+//!   the database is down. It runs on a private cluster (initdb in a temporary directory, a free port; the
 //!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
 //!   never on the `--database-url` server. Besides the final check it asserts that nothing was
 //!   acknowledged during the outage: no group offset seen while the database was down is past
-//!   the database position of its partition, and every RabbitMQ event the database had not
-//!   finished still has a copy in the queues once the ledger holding them is killed. The Kafka
+//!   the database position of its partition (but over records the database has applied or
+//!   dead-lettered), and every RabbitMQ event the database had not finished still has a copy
+//!   in the queues once the ledger holding them is killed at the end of the outage. The Kafka
 //!   ledger must stay up through the outage.
 //!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),

@@ -6,19 +6,23 @@
 //! `TXINBOX_PG_BIN`, run as the `postgres` user when the harness runs as root). Each broker
 //! gets its own database there. The sequence:
 //!
-//! 1. publish half the events, start one ledger per broker, wait until both apply;
+//! 1. publish half the events, start one ledger for RabbitMQ and two in one group for Kafka,
+//!    wait until every partition has been processed; then SIGKILL the second Kafka member and
+//!    wait until the first gives up its partitions for the rebalance that follows, so that
+//!    the new assignment (every partition) is taken while the database is down;
 //! 2. crash PostgreSQL; publish the other half; keep it down `--outage-seconds`, asking the
-//!    Kafka group for its committed offsets every 250 ms; both ledgers must stay up meanwhile
-//!    (fail closed: intake pauses, nothing is acknowledged);
+//!    Kafka group for its committed offsets every 250 ms; the ledgers must stay up meanwhile
+//!    (fail closed: intake pauses, the assignment waits, nothing is acknowledged);
 //! 3. still down: SIGKILL the RabbitMQ ledger (a crash during the outage), so that everything it
 //!    held unacknowledged goes back to the queue, and count the messages in its queues;
 //! 4. start PostgreSQL on its Unix socket only (the ledgers, on TCP, cannot get in) and read
 //!    what the outage froze: the Kafka database positions and the events RabbitMQ's database
 //!    finished; then restart it on TCP;
 //! 5. check **nothing acknowledged during the outage**: on every partition, no group offset
-//!    seen during the outage is past the database position (an offset is only stored after
-//!    its commit); and every RabbitMQ event the database has not finished still has a copy in
-//!    the queues (a message is only acked after its commit). Both fail when a ledger
+//!    seen during the outage is past the database position, except over records the database
+//!    has applied or dead-lettered (dead letters do not move the position: issue 15, defect
+//!    4); and every RabbitMQ event the database has not finished still has a copy in the
+//!    queues (a message is only acked after its commit). Both fail when a ledger
 //!    acknowledges before its commit (`--sabotage`, see `txinbox_demos::sabotage`);
 //! 6. start a new RabbitMQ ledger; both drain; SIGTERM (exit 0); then the crash matrix's
 //!    check: nothing lost, nothing doubled, nothing left unacknowledged.
@@ -39,6 +43,9 @@ use crate::{brokers, finish, prepare, Args, Chaos, Phase, Report, Setup, Side, G
 const SAMPLE: Duration = Duration::from_millis(250);
 /// How long the ledgers may take to apply their first events.
 const START_CAP: Duration = Duration::from_secs(60);
+/// How long the group may take to start a rebalance once a member was killed (tansu: about
+/// 10 s whatever the session timeout).
+const HANDOVER_CAP: Duration = Duration::from_secs(25);
 /// How long the ledgers may take to drain once the database is back.
 const DRAIN_CAP: Duration = Duration::from_secs(90);
 /// The same for a sabotaged run, which loses events and so never drains: long enough to show
@@ -85,6 +92,7 @@ pub async fn run(
             messages,
             ledger: None,
             second: None,
+            handover: false,
             first_log: None,
             finished_before: 0,
             frozen: Frozen::default(),
@@ -129,12 +137,14 @@ pub async fn run(
             match (&run.chaos.side, run.survived) {
                 (_, false) => "did NOT stay up through the outage".to_string(),
                 (Side::Kafka(_), true) => {
-                    let log = run.first_log.as_deref().map(std::fs::read_to_string);
-                    let log = log.and_then(Result::ok).unwrap_or_default();
+                    let waits = count_in(run.first_log.as_deref(), "assignment waits");
                     format!(
-                        "stayed up through the outage and resumed (the 2nd member SIGKILLed as the outage began; the first logged {} assignments, and {} waits for the database while taking one)",
-                        log.matches("partitions assigned").count(),
-                        log.matches("assignment waits").count()
+                        "stayed up through the outage and resumed; {}",
+                        if run.handover {
+                            format!("the 2nd member was SIGKILLed and its partitions handed over while the database was down: the first member's assignment waited for it (fail closed, {waits} warnings)")
+                        } else {
+                            "the 2nd member was SIGKILLed but the group did not rebalance before the crash".to_string()
+                        }
                     )
                 }
                 (Side::Amqp(_), true) => {
@@ -163,9 +173,11 @@ struct Run {
     plan: Plan,
     messages: Vec<Outgoing>,
     ledger: Option<Ledger>,
-    /// Kafka: a second member of the group, SIGKILLed as the outage begins so that its
-    /// partitions move to the first one (a session timeout later) while the database is down.
+    /// Kafka: a second member of the group, SIGKILLed just before the outage so that its
+    /// partitions move to the first one while the database is down.
     second: Option<Ledger>,
+    /// Kafka: the first member gave up its partitions for that rebalance before the crash.
+    handover: bool,
     /// The log of the ledger started before the outage.
     first_log: Option<PathBuf>,
     /// Events finished when PostgreSQL went down.
@@ -243,6 +255,30 @@ impl Outage {
                 );
             }
         }
+        // Kafka: the 2nd member dies now, and the database goes down as soon as the first has
+        // given up its partitions for the rebalance that follows: the new assignment, with all
+        // the partitions, is taken while the database is down.
+        for run in runs.iter_mut() {
+            let Some(mut member) = run.second.take() else {
+                continue;
+            };
+            let revoked = |run: &Run| count_in(run.first_log.as_deref(), "partitions revoked");
+            let before = revoked(run);
+            let since = Instant::now();
+            run.chaos
+                .kill(&mut member, since, "SIGKILL the 2nd member")
+                .await?;
+            while revoked(run) == before && since.elapsed() < HANDOVER_CAP {
+                tokio::time::sleep(POLL).await;
+            }
+            run.handover = revoked(run) > before;
+            let outcome = if run.handover {
+                "the first member gave up its partitions: the database goes down now"
+            } else {
+                "no rebalance yet: the database goes down anyway"
+            };
+            run.chaos.line("waiting for the rebalance", outcome, since);
+        }
         for run in runs.iter_mut() {
             run.finished_before = run.chaos.db.finished().await;
         }
@@ -260,12 +296,6 @@ impl Outage {
             let half = run.messages.len() / 2;
             let second: Vec<Outgoing> = run.messages[half..].to_vec();
             run.chaos.publish(&second).await?;
-            if let Some(mut member) = run.second.take() {
-                let since = Instant::now();
-                run.chaos
-                    .kill(&mut member, since, "SIGKILL the 2nd member")
-                    .await?;
-            }
         }
         let outage = Duration::from_secs(self.seconds);
         while down.elapsed() < outage {
@@ -461,6 +491,12 @@ impl Outage {
         }
         Ok(())
     }
+}
+
+/// Occurrences of `what` in the log at `path`.
+fn count_in(path: Option<&Path>, what: &str) -> usize {
+    path.and_then(|p| std::fs::read_to_string(p).ok())
+        .map_or(0, |text| text.matches(what).count())
 }
 
 /// Fails when the run's ledger has exited.
