@@ -45,9 +45,10 @@
 //!   partition at its database position (at most twice). Any other stall fails the run.
 //! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
 //!   `--outage-seconds` while ledgers consume from Kafka and from RabbitMQ, and comes back; a
-//!   second Kafka member is killed just before, so that its partitions are handed over while
-//!   the database is down. It runs on a private cluster (initdb in a temporary directory, a free port; the
-//!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
+//!   second Kafka member is killed as it goes down, so that its partitions are handed over
+//!   while the database is down. It runs on a private cluster (initdb in a temporary
+//!   directory, a free port; the server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user
+//!   `postgres` when run as root),
 //!   never on the `--database-url` server. Besides the final check it asserts that nothing was
 //!   acknowledged during the outage: no group offset seen while the database was down is past
 //!   the database position of its partition (but over records the database has applied or
@@ -205,10 +206,10 @@ struct Args {
     /// Outage: unique payment events per broker.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
     outage_events: u32,
-    /// Outage: seconds PostgreSQL stays down: more than librdkafka's 5 s auto-commit interval,
-    /// so that an offset stored without a commit would reach the group meanwhile, and long
-    /// enough for the group to move a killed member's partitions (tansu takes about 10 s).
-    #[arg(long, default_value_t = 15)]
+    /// Outage: seconds PostgreSQL stays down at least: more than librdkafka's 5 s auto-commit
+    /// interval, so that an offset stored without a commit would reach the group meanwhile.
+    /// Longer if the group has not yet begun to hand the killed Kafka member's partitions over.
+    #[arg(long, default_value_t = 10)]
     outage_seconds: u64,
     /// Outage: the directory of PostgreSQL's server programs (initdb, pg_ctl) for the private
     /// cluster the outage stops and starts. Default: the newest /usr/lib/postgresql/*/bin.

@@ -7,10 +7,10 @@
 //! gets its own database there. The sequence:
 //!
 //! 1. publish half the events, start one ledger for RabbitMQ and two in one group for Kafka,
-//!    wait until every partition has been processed; then SIGKILL the second Kafka member and
-//!    wait until the first gives up its partitions for the rebalance that follows, so that
-//!    the new assignment (every partition) is taken while the database is down;
-//! 2. crash PostgreSQL; publish the other half; keep it down `--outage-seconds`, asking the
+//!    and wait until every partition has been processed;
+//! 2. crash PostgreSQL; publish the other half; SIGKILL the second Kafka member, whose
+//!    partitions are then handed over to the first while the database is down; keep it down
+//!    `--outage-seconds`, and until that handover has begun (plus a few seconds), asking the
 //!    Kafka group for its committed offsets every 250 ms; the ledgers must stay up meanwhile
 //!    (fail closed: intake pauses, the assignment waits, nothing is acknowledged);
 //! 3. still down: SIGKILL the RabbitMQ ledger (a crash during the outage), so that everything it
@@ -43,9 +43,12 @@ use crate::{brokers, finish, prepare, Args, Chaos, Phase, Report, Setup, Side, G
 const SAMPLE: Duration = Duration::from_millis(250);
 /// How long the ledgers may take to apply their first events.
 const START_CAP: Duration = Duration::from_secs(60);
-/// How long the group may take to start a rebalance once a member was killed (tansu: about
-/// 10 s whatever the session timeout).
+/// How much longer than `--outage-seconds` the database may stay down for the group to start
+/// the rebalance after the killed member (tansu takes up to about 13 s, whatever the session
+/// timeout).
 const HANDOVER_CAP: Duration = Duration::from_secs(25);
+/// How long the database stays down once the handover began.
+const HANDOVER_DOWN: Duration = Duration::from_secs(6);
 /// How long the ledgers may take to drain once the database is back.
 const DRAIN_CAP: Duration = Duration::from_secs(90);
 /// The same for a sabotaged run, which loses events and so never drains: long enough to show
@@ -92,7 +95,9 @@ pub async fn run(
             messages,
             ledger: None,
             second: None,
-            handover: false,
+            handover: None,
+            revoked_before: 0,
+            handover_lead: None,
             first_log: None,
             finished_before: 0,
             frozen: Frozen::default(),
@@ -140,10 +145,9 @@ pub async fn run(
                     let waits = count_in(run.first_log.as_deref(), "assignment waits");
                     format!(
                         "stayed up through the outage and resumed; {}",
-                        if run.handover {
-                            format!("the 2nd member was SIGKILLed and its partitions handed over while the database was down: the first member's assignment waited for it (fail closed, {waits} warnings)")
-                        } else {
-                            "the 2nd member was SIGKILLed but the group did not rebalance before the crash".to_string()
+                        match run.handover_lead {
+                            Some(lead) => format!("the 2nd member was SIGKILLed as the database went down and the first took over its partitions while it was down (the rebalance began {:.1} s before the database came back; {waits} 'assignment waits' warnings: fail closed)", lead.as_secs_f64()),
+                            None => "the 2nd member was SIGKILLed but the group did not rebalance during the outage".to_string(),
                         }
                     )
                 }
@@ -173,11 +177,16 @@ struct Run {
     plan: Plan,
     messages: Vec<Outgoing>,
     ledger: Option<Ledger>,
-    /// Kafka: a second member of the group, SIGKILLed just before the outage so that its
+    /// Kafka: a second member of the group, SIGKILLed as the outage begins so that its
     /// partitions move to the first one while the database is down.
     second: Option<Ledger>,
-    /// Kafka: the first member gave up its partitions for that rebalance before the crash.
-    handover: bool,
+    /// Kafka: when the first member gave up its partitions for that rebalance (during the
+    /// outage).
+    handover: Option<Instant>,
+    /// Kafka: revocations in the first member's log before the kill.
+    revoked_before: usize,
+    /// Kafka: how long before the database came back the handover began.
+    handover_lead: Option<Duration>,
     /// The log of the ledger started before the outage.
     first_log: Option<PathBuf>,
     /// Events finished when PostgreSQL went down.
@@ -255,30 +264,6 @@ impl Outage {
                 );
             }
         }
-        // Kafka: the 2nd member dies now, and the database goes down as soon as the first has
-        // given up its partitions for the rebalance that follows: the new assignment, with all
-        // the partitions, is taken while the database is down.
-        for run in runs.iter_mut() {
-            let Some(mut member) = run.second.take() else {
-                continue;
-            };
-            let revoked = |run: &Run| count_in(run.first_log.as_deref(), "partitions revoked");
-            let before = revoked(run);
-            let since = Instant::now();
-            run.chaos
-                .kill(&mut member, since, "SIGKILL the 2nd member")
-                .await?;
-            while revoked(run) == before && since.elapsed() < HANDOVER_CAP {
-                tokio::time::sleep(POLL).await;
-            }
-            run.handover = revoked(run) > before;
-            let outcome = if run.handover {
-                "the first member gave up its partitions: the database goes down now"
-            } else {
-                "no rebalance yet: the database goes down anyway"
-            };
-            run.chaos.line("waiting for the rebalance", outcome, since);
-        }
         for run in runs.iter_mut() {
             run.finished_before = run.chaos.db.finished().await;
         }
@@ -296,9 +281,33 @@ impl Outage {
             let half = run.messages.len() / 2;
             let second: Vec<Outgoing> = run.messages[half..].to_vec();
             run.chaos.publish(&second).await?;
+            // Kafka: the 2nd member dies as the database goes down; its partitions are handed
+            // over to the first while the database is down.
+            if let Some(mut member) = run.second.take() {
+                run.revoked_before = count_in(run.first_log.as_deref(), "partitions revoked");
+                let since = Instant::now();
+                run.chaos
+                    .kill(&mut member, since, "SIGKILL the 2nd member")
+                    .await?;
+            }
         }
+        // At least `--outage-seconds`, and until the first Kafka member has been taking its new
+        // assignment for a few seconds (the broker may take a while to notice the dead one).
         let outage = Duration::from_secs(self.seconds);
-        while down.elapsed() < outage {
+        let handing_over = |runs: &[Run]| {
+            runs.iter().any(|r| {
+                matches!(r.chaos.side, Side::Kafka(_))
+                    && r.handover.is_none_or(|t| t.elapsed() < HANDOVER_DOWN)
+            })
+        };
+        while down.elapsed() < outage || (handing_over(runs) && down.elapsed() < outage + HANDOVER_CAP) {
+            for run in runs.iter_mut() {
+                if run.handover.is_none()
+                    && count_in(run.first_log.as_deref(), "partitions revoked") > run.revoked_before
+                {
+                    run.handover = Some(Instant::now());
+                }
+            }
             for run in runs.iter_mut() {
                 if let Side::Kafka(kafka) = &run.chaos.side {
                     for (p, offset) in kafka.committed_offsets().await?.into_iter().enumerate() {
@@ -368,6 +377,7 @@ impl Outage {
         self.cluster.start(true).await?;
         self.down_for = down.elapsed();
         for run in runs.iter_mut() {
+            run.handover_lead = run.handover.map(|t| t.elapsed());
             run.chaos.line(
                 "PostgreSQL back",
                 &format!("down {:.1} s", self.down_for.as_secs_f64()),
