@@ -38,11 +38,11 @@
 //!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
 //!   events, kills, graceful stops, restarts, the assignments and revocations the members
 //!   logged, duration, lost, doubled, unacked. The members log the group protocol
-//!   (`debug=cgrp`): a group that stops consuming during the drain is diagnosed from it. tansu
+//!   (`debug=cgrp`): a group that stops consuming for 15 s is diagnosed from it. tansu
 //!   (0.6) keeps a member that stopped during a rebalance as the group's leader for good, so no
 //!   rebalance of that group ever completes again; the storm reports that stall, with the
 //!   departed leader's log, and moves the members to a new group, where they start every
-//!   partition at its database position (at most twice). Any other stall fails the run.
+//!   partition at its database position (at most three times). Any other stall fails the run.
 //! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
 //!   `--outage-seconds` while ledgers consume from Kafka and from RabbitMQ, and comes back; a
 //!   second Kafka member is killed as it goes down, so that its partitions are handed over

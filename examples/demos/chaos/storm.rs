@@ -6,7 +6,8 @@
 //! Each kill or stop makes the group rebalance (a killed member once its session times out), and
 //! each restart again: the partitions move between members over and over while records arrive,
 //! with offsets stored in the database and in the group. The figures (kills, stops, restarts,
-//! the assignments and revocations the members logged) are printed under the summary.
+//! the assignments and revocations the members logged, group stalls caused by the broker) are
+//! printed under the summary.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -278,8 +279,9 @@ impl Storm {
     /// Brings every member up and waits until every event is finished and every partition's
     /// database position and group offset are at its end. A group that stops consuming is
     /// diagnosed from the members' group-protocol logs: when the broker keeps a departed member
-    /// as the group's leader (tansu does, for good), the members move to a new group, up to
-    /// [`MAX_RECOVERIES`] times; any other stall fails the run once the drain's time is up.
+    /// as the group's leader (tansu does, for good), the members move to a new group (at most
+    /// [`MAX_RECOVERIES`] times in a storm); any other stall fails the run once the drain's
+    /// time is up.
     async fn drain(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
         let since = Instant::now();
         self.all_up(chaos).await?;
