@@ -142,6 +142,13 @@ impl Kafka {
         Ok(())
     }
 
+    /// Moves the run to the consumer group `<group>-<suffix>`: `consumed` and
+    /// `unacknowledged` read that group's offsets from now on. Returns the new group's name.
+    pub fn move_group(&mut self, suffix: &str) -> String {
+        self.group = format!("{}-{suffix}", self.group);
+        self.group.clone()
+    }
+
     /// The event ID of the record at `offset` of `partition`, if this run published it.
     pub fn id_at(&self, partition: i32, offset: i64) -> Option<String> {
         self.ids.lock().unwrap().get(&(partition, offset)).cloned()

@@ -37,15 +37,23 @@
 //!   while the producer publishes `--storm-events` at an even pace. Then all three run until
 //!   everything is drained, stop with SIGTERM, and the run is checked as above. Figures:
 //!   events, kills, graceful stops, restarts, the assignments and revocations the members
-//!   logged, duration, lost, doubled, unacked.
+//!   logged, duration, lost, doubled, unacked. The members log the group protocol
+//!   (`debug=cgrp`): a group that stops consuming for 15 s is diagnosed from it. tansu
+//!   (0.6) keeps a member that stopped during a rebalance as the group's leader for good, so no
+//!   rebalance of that group ever completes again; the storm reports that stall, with the
+//!   departed leader's log, and moves the members to a new group, where they start every
+//!   partition at its database position (at most three times). Any other stall fails the run.
 //! - `outage` ([`outage`]): PostgreSQL crashes (`pg_ctl stop -m immediate`) for
-//!   `--outage-seconds` while one ledger consumes from Kafka and one from RabbitMQ, and comes
-//!   back. It runs on a private cluster (initdb in a temporary directory, a free port; the
-//!   server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user `postgres` when run as root),
+//!   `--outage-seconds` while ledgers consume from Kafka and from RabbitMQ, and comes back; a
+//!   second Kafka member is killed as it goes down, so that its partitions are handed over
+//!   while the database is down. It runs on a private cluster (initdb in a temporary
+//!   directory, a free port; the server programs of `--pg-bin` / `TXINBOX_PG_BIN`, as user
+//!   `postgres` when run as root),
 //!   never on the `--database-url` server. Besides the final check it asserts that nothing was
 //!   acknowledged during the outage: no group offset seen while the database was down is past
-//!   the database position of its partition, and every RabbitMQ event the database had not
-//!   finished still has a copy in the queues once the ledger holding them is killed. The Kafka
+//!   the database position of its partition (but over records the database has applied or
+//!   dead-lettered), and every RabbitMQ event the database had not finished still has a copy
+//!   in the queues once the ledger holding them is killed at the end of the outage. The Kafka
 //!   ledger must stay up through the outage.
 //!
 //! Needs PostgreSQL and the brokers (`docker compose up -d`, or `scripts/test` installs them),
@@ -198,10 +206,10 @@ struct Args {
     /// Outage: unique payment events per broker.
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(10..))]
     outage_events: u32,
-    /// Outage: seconds PostgreSQL stays down: more than librdkafka's 5 s auto-commit interval,
-    /// so that an offset stored without a commit would reach the group meanwhile, and long
-    /// enough for the group to move a killed member's partitions (tansu takes about 10 s).
-    #[arg(long, default_value_t = 15)]
+    /// Outage: seconds PostgreSQL stays down at least: more than librdkafka's 5 s auto-commit
+    /// interval, so that an offset stored without a commit would reach the group meanwhile.
+    /// Longer if the group has not yet begun to hand the killed Kafka member's partitions over.
+    #[arg(long, default_value_t = 10)]
     outage_seconds: u64,
     /// Outage: the directory of PostgreSQL's server programs (initdb, pg_ctl) for the private
     /// cluster the outage stops and starts. Default: the newest /usr/lib/postgresql/*/bin.

@@ -47,6 +47,13 @@ impl Launcher {
         self.args.push(arg);
     }
 
+    /// Replaces the argument that starts with `prefix` (e.g. `--group=`) for every child
+    /// started from now on.
+    pub fn replace_arg(&mut self, prefix: &str, arg: String) {
+        self.args.retain(|a| !a.starts_with(prefix));
+        self.args.push(arg);
+    }
+
     /// The children's `RUST_LOG` (default `info`; `CHAOS_LEDGER_LOG` wins).
     pub fn log_filter(&mut self, filter: &str) {
         self.log_filter = filter.to_owned();

@@ -6,7 +6,8 @@
 //! Each kill or stop makes the group rebalance (a killed member once its session times out), and
 //! each restart again: the partitions move between members over and over while records arrive,
 //! with offsets stored in the database and in the group. The figures (kills, stops, restarts,
-//! the assignments and revocations the members logged) are printed under the summary.
+//! the assignments and revocations the members logged, group stalls caused by the broker) are
+//! printed under the summary.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -32,9 +33,9 @@ const DRAIN_CAP: Duration = Duration::from_secs(90);
 /// While draining, no event finished and no database position moved for this long, with all
 /// members up: the group has stalled; the members' group-protocol logs say why.
 const STALL: Duration = Duration::from_secs(15);
-/// How often a stall the broker caused is recovered from (by restarting the whole group)
-/// before the storm gives up.
-const MAX_RECOVERIES: u32 = 2;
+/// How often a stall the broker caused is recovered from (by moving the members to a new
+/// group) before the storm gives up.
+const MAX_RECOVERIES: u32 = 3;
 
 /// Runs the storm on a fresh topic and database.
 pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report> {
@@ -64,7 +65,7 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     };
     let outcome = storm.churn(&mut chaos, &messages, args).await;
     let outcome = match outcome {
-        Ok(()) => storm.drain(&mut chaos, args).await,
+        Ok(()) => storm.drain(&mut chaos).await,
         Err(e) => Err(e),
     };
     match outcome {
@@ -83,14 +84,11 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
     } else {
         ""
     };
-    let broker_stalls = if storm.broker_stalls.is_empty() {
-        String::new()
-    } else {
-        format!(
-            "; {} group stalls caused by the broker, each recovered by restarting the group ({})",
-            storm.broker_stalls.len(),
-            storm.broker_stalls.join("; ")
-        )
+    let broker_stalls = match storm.broker_stalls.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} group stall(s) caused by the broker (tansu kept a departed member as the group's leader), each recovered by moving the members to a new group"
+        ),
     };
     let figures = format!(
         "{stalled}{} events ({} messages) on {PARTITIONS} partitions, {MEMBERS} members: {} SIGKILLs, {} SIGTERMs, {} restarts, {assigned} assignments and {revoked} revocations logged by the members{broker_stalls}; {:.0} s; lost {}, doubled {}, unacked {}",
@@ -131,7 +129,7 @@ struct Storm {
     /// The drain found the group stalled for good.
     stalled: bool,
     /// Stalls caused by the broker (a departed member kept as the group's leader), each
-    /// recovered from by restarting the group.
+    /// recovered from by moving the members to a new group.
     broker_stalls: Vec<String>,
 }
 
@@ -149,8 +147,24 @@ impl Storm {
         let begun = Instant::now();
         // The first disruption once the members have had time to join and consume.
         let mut next = Instant::now() + Duration::from_millis(chaos.rng.u64(2_000..4_000));
+        let mut progress = (0, Instant::now());
+        let mut looked = Instant::now();
         while begun.elapsed() < churn {
             tokio::time::sleep(POLL).await;
+            // A group tansu has wedged consumes nothing for the rest of the churn: leave it.
+            if looked.elapsed() > Duration::from_secs(1) {
+                looked = Instant::now();
+                let moved = Self::moved(chaos).await;
+                if moved != progress.0 {
+                    progress = (moved, Instant::now());
+                }
+                if progress.1.elapsed() > STALL && (self.broker_stalls.len() as u32) < MAX_RECOVERIES {
+                    if let Some(why) = self.stale_leader(chaos) {
+                        self.leave_wedged_group(chaos, why).await?;
+                        progress.1 = Instant::now();
+                    }
+                }
+            }
             let due = (sent as f64
                 + (messages.len() - sent) as f64 * begun.elapsed().as_secs_f64() / churn.as_secs_f64())
                 as usize;
@@ -265,9 +279,10 @@ impl Storm {
     /// Brings every member up and waits until every event is finished and every partition's
     /// database position and group offset are at its end. A group that stops consuming is
     /// diagnosed from the members' group-protocol logs: when the broker keeps a departed member
-    /// as the group's leader (tansu does), the whole group is restarted, up to
-    /// [`MAX_RECOVERIES`] times; any other stall fails the run once the drain's time is up.
-    async fn drain(&mut self, chaos: &mut Chaos, args: &Args) -> anyhow::Result<()> {
+    /// as the group's leader (tansu does, for good), the members move to a new group (at most
+    /// [`MAX_RECOVERIES`] times in a storm); any other stall fails the run once the drain's
+    /// time is up.
+    async fn drain(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
         let since = Instant::now();
         self.all_up(chaos).await?;
         let (mut assigned_before, _) = count_rebalances(chaos.launcher.logs());
@@ -298,15 +313,7 @@ impl Storm {
             };
             if let Some(why) = &stale_leader {
                 if (self.broker_stalls.len() as u32) < MAX_RECOVERIES {
-                    let t = Instant::now();
-                    self.broker_stalls.push(why.clone());
-                    println!("   storm: the group stalled: {why}");
-                    self.stop_all(chaos).await;
-                    // Let the broker forget the stopped members before they join again.
-                    let session = Duration::from_millis(u64::from(args.kafka_session_timeout_ms));
-                    tokio::time::sleep(session + Duration::from_secs(1)).await;
-                    self.all_up(chaos).await?;
-                    chaos.line("group stalled (broker): restarted", "all members up again", t);
+                    self.leave_wedged_group(chaos, why.clone()).await?;
                     (assigned_before, _) = count_rebalances(chaos.launcher.logs());
                     progress = (progress.0, Instant::now());
                     deadline = Instant::now() + DRAIN_CAP;
@@ -326,7 +333,7 @@ impl Storm {
                     })
                     .collect();
                 let diagnosis = match &stale_leader {
-                    Some(why) => format!("again after {MAX_RECOVERIES} restarts of the group: {why}"),
+                    Some(why) => format!("again after {MAX_RECOVERIES} moves to a new group: {why}"),
                     None => format!(
                         "the members logged {} partition assignments since the drain began; no departed leader in their group-protocol logs, so the members themselves may be stuck",
                         assigned - assigned_before
@@ -351,6 +358,40 @@ impl Storm {
         Ok(())
     }
 
+    /// tansu never forgets a departed leader, even once every member has left and joined
+    /// again: the group is wedged for good. The members move to a new group, where they start
+    /// every partition at its database position, as after any rebalance (the database, not the
+    /// group, says what is done).
+    async fn leave_wedged_group(&mut self, chaos: &mut Chaos, why: String) -> anyhow::Result<()> {
+        let t = Instant::now();
+        println!("   storm: the group stalled: {why}");
+        self.broker_stalls.push(why);
+        self.all_up(chaos).await?;
+        self.stop_all(chaos).await;
+        let Side::Kafka(kafka) = &mut chaos.side else {
+            unreachable!("the storm runs on Kafka")
+        };
+        let group = kafka.move_group(&format!("after-stall{}", self.broker_stalls.len()));
+        chaos.launcher.replace_arg("--group=", format!("--group={group}"));
+        self.all_up(chaos).await?;
+        chaos.line(
+            "group wedged by the broker",
+            &format!("members moved to group {group}"),
+            t,
+        );
+        Ok(())
+    }
+
+    /// Events finished plus the sum of the database positions: moves whenever the group
+    /// consumes anything.
+    async fn moved(chaos: &Chaos) -> u64 {
+        let Side::Kafka(kafka) = &chaos.side else {
+            unreachable!("the storm runs on Kafka")
+        };
+        let positions = kafka.database_positions(&chaos.db.pool).await.unwrap_or_default();
+        chaos.db.finished().await + positions.values().sum::<i64>() as u64
+    }
+
     /// Starts every member that is down (after any graceful stop in progress has ended).
     async fn all_up(&mut self, chaos: &mut Chaos) -> anyhow::Result<()> {
         while !self.stopping.is_empty() || self.members.iter().any(|m| m.ledger.is_none()) {
@@ -365,25 +406,34 @@ impl Storm {
         Ok(())
     }
 
-    /// When every running member's latest JoinGroup response names a leader that is none of
-    /// them, the broker is waiting for a member that has left: nobody computes the assignment
-    /// and the group never completes a rebalance (tansu 0.6 keeps a leader that stopped during
-    /// a rebalance, past its session timeout; Apache Kafka elects another). Says which member
-    /// that was.
+    /// When the latest JoinGroup responses of the running members (two at least) all name a
+    /// leader that is none of them, the broker is waiting for a member that has left: nobody
+    /// computes the assignment and the group never completes a rebalance (tansu 0.6 keeps a
+    /// leader that stopped during a rebalance, past its session timeout; Apache Kafka elects
+    /// another). Says which member that was.
     fn stale_leader(&self, chaos: &Chaos) -> Option<String> {
         let mut leaders = std::collections::BTreeSet::new();
         let mut live = std::collections::BTreeSet::new();
         let mut generation = String::new();
-        for m in &self.members {
-            let text = std::fs::read_to_string(m.ledger.as_ref()?.log()).ok()?;
-            let line = text
+        let mut answered = 0;
+        // The running members that have had a JoinGroup answer naming a leader (an error answer
+        // names none; a member started a moment ago has had none yet): at least two must.
+        for ledger in self.members.iter().filter_map(|m| m.ledger.as_ref()) {
+            let text = std::fs::read_to_string(ledger.log()).unwrap_or_default();
+            let Some(line) = text
                 .lines()
                 .rev()
-                // The latest answer that names a leader (an error answer names none).
-                .find(|l| l.contains("JoinGroup response: GenerationId") && !l.contains("LeaderId ,"))?;
+                .find(|l| l.contains("JoinGroup response: GenerationId") && !l.contains("LeaderId ,"))
+            else {
+                continue;
+            };
             leaders.insert(field(line, "LeaderId ")?);
             live.insert(field(line, "my MemberId ")?);
             generation = field(line, "GenerationId ")?;
+            answered += 1;
+        }
+        if answered < 2 {
+            return None;
         }
         let leader = match leaders.into_iter().collect::<Vec<_>>().as_slice() {
             [one] if !one.is_empty() && !live.contains(one) => one.clone(),
@@ -406,7 +456,7 @@ impl Storm {
             }
         }
         Some(format!(
-            "every member's JoinGroup response (generation {generation}) names {leader} the group's leader, a member that is gone: {holder}; with no live leader nobody assigns the partitions (a tansu group-coordinator bug: Apache Kafka elects a new leader)"
+            "the running members' JoinGroup responses (generation {generation}) name {leader} the group's leader, a member that is gone: {holder}; with no live leader nobody assigns the partitions (a tansu group-coordinator bug: Apache Kafka elects a new leader)"
         ))
     }
 
