@@ -219,7 +219,8 @@ async fn a_lane_blocked_on_a_lock_is_reported_stalled() {
     );
 }
 
-/// The latest `txinbox_lane_oldest_unsettled_age_seconds` of `consumer`'s `lane`.
+/// The latest `txinbox_lane_oldest_unsettled_age_seconds` of `consumer`'s `lane` (the
+/// recorder resets gauges when read: 0 unless set since the previous read).
 fn lane_age(consumer: &str, lane: &str) -> Option<f64> {
     static LAST: Mutex<Vec<(String, String, f64)>> = Mutex::new(Vec::new());
     let mut last = LAST.lock().unwrap();
