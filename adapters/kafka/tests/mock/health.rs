@@ -10,8 +10,9 @@ use super::*;
 
 /// Handlers blocked on row locks hold every partition: the lag gauge shows what waits per
 /// partition (the whole partition: nothing is in the database yet), the report lists both
-/// partitions as assigned and the broker as connected. Once the locks go, everything is
-/// applied and the lag falls to 0.
+/// partitions as assigned and the broker as connected. With the broker down the report says
+/// disconnected (not ready, still alive), and connected once it is back. Once the locks go,
+/// everything is applied and the lag falls to 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lag_and_assignment_are_reported() {
     install();
@@ -75,6 +76,29 @@ async fn lag_and_assignment_are_reported() {
             .any(|l| l.unsettled > 0 && l.oldest_unsettled.is_some()),
         "{report:#?}"
     );
+
+    // The broker goes away: the report says so (and not ready) from the next statistics on;
+    // it comes back: connected and ready again.
+    mock.call(|d| Command::BrokerDown(1, d));
+    wait_for(
+        Duration::from_secs(30),
+        "the broker is reported disconnected",
+        || async { health.report().broker == BrokerStatus::Disconnected },
+    )
+    .await;
+    let report = health.report();
+    assert!(!report.is_ready() && report.is_alive(), "{report:#?}");
+    assert!(report.problems().contains(&"broker disconnected".to_owned()));
+    mock.call(|d| Command::BrokerUp(1, d));
+    wait_for(
+        Duration::from_secs(30),
+        "the broker is reported connected again",
+        || async {
+            let report = health.report();
+            report.broker == BrokerStatus::Connected && report.is_ready()
+        },
+    )
+    .await;
 
     lock.rollback().await.unwrap();
     db.wait_applied(published.amounts.len() as i64, Duration::from_secs(30))
