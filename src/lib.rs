@@ -63,6 +63,7 @@ mod consumer;
 pub mod crash;
 mod error;
 mod handler;
+pub mod health;
 mod message;
 #[cfg(feature = "postgres")]
 pub mod ops;

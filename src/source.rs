@@ -38,6 +38,14 @@ pub trait MessageSource: Send + 'static {
     /// What the broker can do natively. Read once, when the consumer is built.
     fn capabilities(&self) -> Capabilities;
 
+    /// Gives the source the handle through which it reports its broker connection and
+    /// assignments to the consumer's [`Health`](crate::health::Health). Called once, when the
+    /// consumer is built. The default ignores it: the report then says
+    /// [`BrokerStatus::Unknown`](crate::health::BrokerStatus::Unknown) and no assignment.
+    fn attach_health(&mut self, health: crate::health::SourceHealth) {
+        let _ = health;
+    }
+
     /// Releases the subscription after the runtime has drained and settled every delivery:
     /// flush offsets, cancel the consumer, close channels. Called exactly once, at shutdown.
     async fn close(self) -> Result<(), SourceError>

@@ -14,6 +14,7 @@
 //! | `txinbox_handler_duration_seconds` | histogram | time in one handler call (a `BatchHandler` call: its whole batch) |
 //! | `txinbox_commit_duration_seconds` | histogram | time in COMMIT (one per transaction; a batch shares one) |
 //! | `txinbox_in_flight` | gauge | deliveries received and not yet settled |
+//! | `txinbox_lane_oldest_unsettled_age_seconds` | gauge | age of the oldest delivery received and not yet settled, per lane (label `lane`: `topic/partition` for Kafka, empty for unordered deliveries); 0 when none; refreshed every 5 s while the consumer runs |
 //! | `txinbox_contended` | gauge | messages re-running because they keep losing lock conflicts (a row locked elsewhere holds their lane) |
 //! | `txinbox_outbox_pending` | gauge | outbox rows waiting to be published (label `relay`, refreshed by the relay) |
 //! | `txinbox_outbox_oldest_pending_age_seconds` | gauge | age of the oldest pending outbox row, 0 when none (label `relay`) |
@@ -53,6 +54,8 @@ pub const HANDLER_DURATION: &str = "txinbox_handler_duration_seconds";
 pub const COMMIT_DURATION: &str = "txinbox_commit_duration_seconds";
 /// Gauge: deliveries in flight.
 pub const IN_FLIGHT: &str = "txinbox_in_flight";
+/// Gauge: age in seconds of the oldest unsettled delivery, per `lane`.
+pub const LANE_OLDEST_UNSETTLED_AGE: &str = "txinbox_lane_oldest_unsettled_age_seconds";
 /// Gauge: messages re-running after lock conflicts.
 pub const CONTENDED: &str = "txinbox_contended";
 /// Gauge: outbox rows waiting to be published.
@@ -138,6 +141,11 @@ fn describe() {
     describe_histogram!(HANDLER_DURATION, Unit::Seconds, "Time spent in the handler");
     describe_histogram!(COMMIT_DURATION, Unit::Seconds, "Time spent in COMMIT");
     describe_gauge!(IN_FLIGHT, "Deliveries received and not yet settled");
+    describe_gauge!(
+        LANE_OLDEST_UNSETTLED_AGE,
+        Unit::Seconds,
+        "Age of the oldest delivery received and not yet settled, per lane"
+    );
     describe_gauge!(
         CONTENDED,
         "Messages re-running because they keep losing lock conflicts"

@@ -21,7 +21,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::Error;
 use crate::handler::Handler;
+use crate::health::{self, Health};
 use crate::message::{Fingerprint, IdStrategy};
 use crate::retry::{backoff_ceiling, RetryPolicy};
 use crate::source::{Lane, MessageSource, RetryMode, SourceError};
@@ -298,8 +299,11 @@ where
         }
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
+        let health = Arc::new(health::State::new(name.clone()));
+        let mut source = self.source;
+        source.attach_health(health.source.clone());
         Ok(Consumer {
-            source: self.source,
+            source,
             max_in_flight: self.max_in_flight,
             shared: Arc::new(Shared {
                 metrics: telemetry::Metrics::new(&name),
@@ -321,6 +325,7 @@ where
                 concurrency: Semaphore::new(self.concurrency),
                 concurrency_limit: self.concurrency,
                 healthy,
+                health,
                 shutdown: CancellationToken::new(),
                 fatal: Mutex::new(None),
             }),
@@ -368,6 +373,8 @@ pub(crate) struct Shared<St, H> {
     concurrency_limit: usize,
     /// `false` while the inbox database is unreachable: intake pauses.
     healthy: watch::Sender<bool>,
+    /// What [`Consumer::health`] reports.
+    health: Arc<health::State>,
     pub(crate) shutdown: CancellationToken,
     fatal: Mutex<Option<Error>>,
     pub(crate) metrics: telemetry::Metrics,
@@ -375,6 +382,7 @@ pub(crate) struct Shared<St, H> {
 
 impl<St, H> Shared<St, H> {
     pub(crate) fn set_healthy(&self, healthy: bool) {
+        self.health.set_database(healthy);
         let changed = self
             .healthy
             .send_if_modified(|h| std::mem::replace(h, healthy) != healthy);
@@ -462,11 +470,38 @@ struct InFlight<D> {
 struct Slot {
     _permit: OwnedSemaphorePermit,
     gauge: metrics::Gauge,
+    health: Arc<health::State>,
+    lane: LaneKey,
+    received: Instant,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.gauge.decrement(1.0);
+        self.health.settled(&self.lane, self.received);
+    }
+}
+
+/// How often the per-lane gauges ([`telemetry::LANE_OLDEST_UNSETTLED_AGE`]) are refreshed.
+const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Marks the consumer stopped for [`Health`] when `run_until` ends or its future is dropped.
+struct StoppedOnDrop(Arc<health::State>);
+
+impl Drop for StoppedOnDrop {
+    fn drop(&mut self) {
+        self.0.set_running(false);
+    }
+}
+
+impl<Src, St, H> Consumer<Src, St, H> {
+    /// A handle reporting this consumer's health (database reachable, intake paused, broker
+    /// connected, lanes assigned, progress and stalls per lane); see [`crate::health`].
+    ///
+    /// Take it before [`run`](Self::run), which consumes the consumer. It is cheap to clone and
+    /// stays valid after the consumer stops (then reporting it stopped).
+    pub fn health(&self) -> Health {
+        Health::new(self.shared.health.clone())
     }
 }
 
@@ -500,6 +535,14 @@ where
             shared,
             max_in_flight,
         } = self;
+        shared.health.set_running(true);
+        let _stopped = StoppedOnDrop(shared.health.clone());
+        let gauges = tokio::spawn(refresh_gauges(
+            shared.health.clone(),
+            shared.name.clone(),
+            shared.shutdown.clone(),
+        ));
+        let _gauges = AbortOnDrop(gauges);
         let preflight = shared.clone();
         tokio::spawn(async move {
             // Best effort and off the start path: a database that is down now is found by the
@@ -762,9 +805,18 @@ async fn intake<Src: MessageSource, St, H>(
             Ok(Some(delivery)) => {
                 errors = 0;
                 gauge.increment(1.0);
+                let lane = match crate::source::Delivery::lane(&delivery) {
+                    Lane::Unordered => None,
+                    Lane::Ordered(key) => Some(key),
+                };
+                let received = Instant::now();
+                shared.health.received(&lane, received);
                 let slot = Slot {
                     _permit: permit,
                     gauge: gauge.clone(),
+                    health: shared.health.clone(),
+                    lane,
+                    received,
                 };
                 if tx
                     .send(InFlight {
@@ -795,4 +847,46 @@ async fn intake<Src: MessageSource, St, H>(
         }
     }
     source
+}
+
+/// Aborts a background task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Sets [`telemetry::LANE_OLDEST_UNSETTLED_AGE`] per lane every [`GAUGE_INTERVAL`] until
+/// shutdown, and zero for lanes that had a value and are gone.
+async fn refresh_gauges(health: Arc<health::State>, consumer: Arc<str>, shutdown: CancellationToken) {
+    let mut known: HashMap<LaneKey, metrics::Gauge> = HashMap::new();
+    let mut tick = tokio::time::interval(GAUGE_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.cancelled() => break,
+        }
+        let (samples, _) = health.sample(health::DEFAULT_STALL_AFTER);
+        let mut seen = std::collections::HashSet::new();
+        for sample in samples {
+            let gauge = known.entry(sample.lane.clone()).or_insert_with(|| {
+                let lane = sample.lane.as_deref().unwrap_or("").to_owned();
+                metrics::gauge!(telemetry::LANE_OLDEST_UNSETTLED_AGE, "consumer" => consumer.to_string(), "lane" => lane)
+            });
+            gauge.set(sample.oldest_unsettled.as_secs_f64());
+            seen.insert(sample.lane);
+        }
+        known.retain(|lane, gauge| {
+            let keep = seen.contains(lane);
+            if !keep {
+                gauge.set(0.0);
+            }
+            keep
+        });
+    }
+    for gauge in known.values() {
+        gauge.set(0.0);
+    }
 }

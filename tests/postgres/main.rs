@@ -4,6 +4,7 @@
 
 mod batch_model;
 mod contention;
+mod health;
 mod limits;
 mod metrics;
 mod positions;

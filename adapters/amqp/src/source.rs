@@ -24,6 +24,9 @@ use crate::telemetry;
 /// How often the supervisor checks the connection and channel state, besides watching the
 /// consumer stream.
 const STATUS_CHECK: Duration = Duration::from_millis(500);
+/// How often the work queue's depth is read (a passive `queue.declare` on a channel of its
+/// own, off the delivery path) for [`telemetry::QUEUE_DEPTH`].
+const DEPTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Longest wait for a graceful `basic.cancel` / `channel.close` / `connection.close`.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -37,6 +40,8 @@ pub(crate) struct Shared {
     pub(crate) publish_timeout: Duration,
     pub(crate) requeue_delay: Duration,
     pub(crate) monitor: AmqpMonitor,
+    /// Where the connection state is reported, once the consumer attached it.
+    pub(crate) health: std::sync::OnceLock<txinbox::health::SourceHealth>,
 }
 
 impl Shared {
@@ -147,6 +152,7 @@ impl AmqpSource {
             publish_timeout: config.publish_timeout,
             requeue_delay: config.requeue_delay,
             monitor: AmqpMonitor::default(),
+            health: std::sync::OnceLock::new(),
         });
         let tag = config.consumer_tag.clone().unwrap_or_else(|| {
             format!(
@@ -203,6 +209,12 @@ impl MessageSource for AmqpSource {
         }
     }
 
+    /// Reports the connection: connected while a consumer is registered on a live channel.
+    fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
+        health.set_connected(self.shared.monitor.is_connected());
+        let _ = self.shared.health.set(health);
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             system: "rabbitmq",
@@ -229,6 +241,9 @@ impl MessageSource for AmqpSource {
 
 struct Session {
     conn: Connection,
+    /// A channel of its own for reading the queue depth: a failed passive declare closes its
+    /// channel, which must not be the consuming one.
+    depth: Channel,
     consumer: lapin::Consumer,
     generation: Arc<Generation>,
 }
@@ -357,6 +372,15 @@ impl Supervisor {
         m.generation.store(session.generation.id, Ordering::SeqCst);
         m.connected.store(true, Ordering::SeqCst);
         metrics::gauge!(telemetry::CONNECTED, "queue" => self.shared.queue.to_string()).set(1.0);
+        if let Some(health) = self.shared.health.get() {
+            health.set_connected(true);
+        }
+        tokio::spawn(report_depth(
+            session.depth.clone(),
+            session.generation.clone(),
+            self.shared.queue.clone(),
+            self.shutdown.clone(),
+        ));
         if let Some(downtime) = downtime {
             m.reconnects.fetch_add(1, Ordering::SeqCst);
             self.shared.counter(telemetry::RECONNECTS, &[]).increment(1);
@@ -375,6 +399,9 @@ impl Supervisor {
         session.generation.alive.store(false, Ordering::SeqCst);
         self.shared.monitor.inner.connected.store(false, Ordering::SeqCst);
         metrics::gauge!(telemetry::CONNECTED, "queue" => self.shared.queue.to_string()).set(0.0);
+        if let Some(health) = self.shared.health.get() {
+            health.set_connected(false);
+        }
     }
 
     fn backoff(&self, attempt: u32) -> Duration {
@@ -420,8 +447,17 @@ impl Supervisor {
                 });
             }
         };
+        let depth = match conn.create_channel().await {
+            Ok(depth) => depth,
+            Err(e) => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), conn.close(200, "setup failed".into()))
+                    .await;
+                return Err(classify("channel.open (queue depth)", e));
+            }
+        };
         Ok(Session {
             conn,
+            depth,
             consumer,
             generation: Arc::new(Generation {
                 id: generation,
@@ -495,6 +531,46 @@ impl Supervisor {
             tracing::warn!(queue = %self.shared.queue, "closing the AMQP connection timed out");
         }
         tracing::info!(queue = %self.shared.queue, "AMQP consumer closed");
+    }
+}
+
+/// Sets [`telemetry::QUEUE_DEPTH`] every [`DEPTH_INTERVAL`] from a passive `queue.declare`
+/// (the broker's count of ready messages) while `generation` lives; a failure ends it quietly
+/// (the supervisor notices a lost connection by itself and starts a new one).
+async fn report_depth(
+    channel: Channel,
+    generation: Arc<Generation>,
+    queue: Arc<str>,
+    shutdown: CancellationToken,
+) {
+    let gauge = metrics::gauge!(telemetry::QUEUE_DEPTH, "queue" => queue.to_string());
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let mut tick = tokio::time::interval(DEPTH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if !generation.alive() {
+            return;
+        }
+        let declared = tokio::time::timeout(
+            DEPTH_INTERVAL,
+            channel.queue_declare(queue.as_ref().into(), passive, FieldTable::default()),
+        )
+        .await;
+        match declared {
+            Ok(Ok(q)) => gauge.set(f64::from(q.message_count())),
+            Ok(Err(e)) => {
+                tracing::debug!(%queue, error = %e, "reading the queue depth failed");
+                return;
+            }
+            Err(_) => tracing::debug!(%queue, "reading the queue depth timed out"),
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | `txinbox_amqp_reconnects_total` | counter | a lost connection, channel or consumer was rebuilt |
 //! | `txinbox_amqp_connected` | gauge | 1 while a consumer is registered, else 0 |
+//! | `txinbox_amqp_queue_depth` | gauge | messages ready in the work queue as the broker reports them (passive `queue.declare` every 5 s on a channel of its own; excludes delivered-unacked ones) |
 //! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel`, `not_sent` (lapin returned `Ok(false)`), `error`, `timeout`. The message is redelivered and deduplicated |
 //! | `txinbox_amqp_publish_failures_total` | counter | a retry or dead-letter copy was not confirmed; labels `kind` (`retry`, `dead_letter`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
 //! | `txinbox_amqp_published_total` | counter | retry or dead-letter copies confirmed by the broker; label `kind` |
@@ -15,6 +16,8 @@
 pub const RECONNECTS: &str = "txinbox_amqp_reconnects_total";
 /// Gauge: 1 while consuming.
 pub const CONNECTED: &str = "txinbox_amqp_connected";
+/// Gauge: messages ready in the work queue (broker's count).
+pub const QUEUE_DEPTH: &str = "txinbox_amqp_queue_depth";
 /// Counter: acks not sent, by `cause`.
 pub const ACK_NOT_SENT: &str = "txinbox_amqp_ack_not_sent_total";
 /// Counter: unconfirmed retry/dead-letter copies, by `kind` and `cause`.
@@ -33,6 +36,10 @@ pub(crate) fn describe() {
         "AMQP connection, channel or consumer rebuilt after a loss"
     );
     describe_gauge!(CONNECTED, "1 while the AMQP consumer is registered");
+    describe_gauge!(
+        QUEUE_DEPTH,
+        "Messages ready in the work queue, as the broker reports them"
+    );
     describe_counter!(
         ACK_NOT_SENT,
         "Acks after commit that were not sent (the message is redelivered and deduplicated)"

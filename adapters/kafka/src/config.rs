@@ -372,7 +372,9 @@ impl KafkaConfig {
             .set("group.id", &self.group_id)
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "true")
-            .set("enable.partition.eof", "false");
+            .set("enable.partition.eof", "false")
+            // Statistics feed the lag gauge and the broker-connected health report.
+            .set("statistics.interval.ms", "5000");
         for (k, v) in &self.properties {
             c.set(k, v);
         }

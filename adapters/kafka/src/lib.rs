@@ -122,4 +122,10 @@ pub mod metrics_names {
     /// offset and the database no position for them
     /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)). Alert when above 0.
     pub const PARTITIONS_BLOCKED: &str = "txinbox_kafka_partitions_blocked";
+    /// Gauge, labels `consumer`, `topic` and `partition`: the partition's high watermark minus
+    /// the consumer's database position (the next offset its effects committed; before any,
+    /// the first offset received), i.e. messages not yet processed. From librdkafka's
+    /// statistics every `statistics.interval.ms` (default here: 5 s); 0 once the partition is
+    /// no longer assigned to this member. Alert when it keeps growing.
+    pub const LAG: &str = "txinbox_kafka_lag";
 }

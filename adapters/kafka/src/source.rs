@@ -4,7 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -141,6 +141,8 @@ struct Shared {
     /// A reason to stop the consumer found inside a rebalance callback (which cannot return
     /// one); the poller hands it to `receive`.
     fatal: Mutex<Option<String>>,
+    /// Where assignments and the broker connection are reported, once the consumer attached it.
+    health: OnceLock<txinbox::health::SourceHealth>,
 }
 
 struct State {
@@ -234,6 +236,19 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
+    /// Reports the partitions assigned now to the consumer's health, if it is attached.
+    fn report_assignment(&self) {
+        if let Some(health) = self.health.get() {
+            let lanes: Vec<Arc<str>> = self
+                .lock()
+                .partitions
+                .values()
+                .flat_map(|parts| parts.values().map(|p| p.lane.clone()))
+                .collect();
+            health.set_assigned(lanes);
+        }
+    }
+
     fn is_assigned(&self, topic: &str, partition: i32, epoch: u64) -> bool {
         self.lock()
             .get_mut(topic, partition)
@@ -277,12 +292,14 @@ impl KafkaSource {
             stop: AtomicBool::new(false),
             producer,
             fatal: Mutex::new(None),
+            health: OnceLock::new(),
         });
         let context = PollerContext {
             shared: shared.clone(),
             positions: Arc::new(positions),
             runtime,
             last_error: Mutex::new(String::new()),
+            lag_reported: Mutex::new(Vec::new()),
         };
         let consumer_config = config.consumer_config();
         let consumer: BaseConsumer<PollerContext> =
@@ -371,6 +388,14 @@ impl MessageSource for KafkaSource {
             system: "kafka",
             retry: RetryMode::InPlace,
             default_id_strategy: IdStrategy::CloudEvents,
+        }
+    }
+
+    /// Reports the assigned partitions (`topic/partition`) after every rebalance, and the
+    /// broker connection from librdkafka's statistics (connected while any broker is up).
+    fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
+        if self.shared.health.set(health).is_ok() {
+            self.shared.report_assignment();
         }
     }
 
@@ -776,6 +801,8 @@ struct PollerContext {
     positions: Arc<dyn PositionStore>,
     runtime: tokio::runtime::Handle,
     last_error: Mutex<String>,
+    /// The partitions whose lag gauge was last set (zeroed once no longer assigned).
+    lag_reported: Mutex<Vec<(Arc<str>, i32)>>,
 }
 
 impl ClientContext for PollerContext {
@@ -788,10 +815,84 @@ impl ClientContext for PollerContext {
             *last = text;
         }
     }
+
+    /// Runs on the poller thread (during `poll`) every `statistics.interval.ms`: sets the lag
+    /// gauges and reports the broker connection. Reads only what the statistics carry and the
+    /// in-memory positions; never blocks on the network.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        if let Some(health) = self.shared.health.get() {
+            let up = statistics
+                .brokers
+                .values()
+                .any(|b| b.nodeid >= 0 && b.state == "UP");
+            health.set_connected(up);
+        }
+        let mut now = Vec::new();
+        let consumer = {
+            let state = self.shared.lock();
+            for (topic, parts) in &state.partitions {
+                let Some(stats) = statistics.topics.get(&**topic) else {
+                    continue;
+                };
+                for (n, p) in parts {
+                    let (Some(position), Some(ps)) = (p.position(), stats.partitions.get(n)) else {
+                        continue;
+                    };
+                    if ps.hi_offset < 0 || p.blocked.is_some() {
+                        continue;
+                    }
+                    now.push((topic.clone(), *n, (ps.hi_offset - position).max(0)));
+                }
+            }
+            state.consumer.clone()
+        };
+        let gauge = |topic: &str, partition: i32| {
+            metrics::gauge!(
+                metrics_names::LAG,
+                "consumer" => consumer.to_string(),
+                "topic" => topic.to_owned(),
+                "partition" => partition.to_string()
+            )
+        };
+        let mut reported = self.lag_reported.lock().unwrap_or_else(|e| e.into_inner());
+        for (topic, partition) in reported.iter() {
+            if !now.iter().any(|(t, p, _)| t == topic && p == partition) {
+                gauge(topic, *partition).set(0.0);
+            }
+        }
+        reported.clear();
+        for (topic, partition, lag) in now {
+            gauge(&topic, partition).set(lag as f64);
+            reported.push((topic, partition));
+        }
+    }
 }
 
 impl ConsumerContext for PollerContext {
     fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        self.rebalance_inner(consumer, err, tpl);
+        self.shared.report_assignment();
+    }
+
+    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => tracing::trace!(count = offsets.count(), "offsets committed to the group"),
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => tracing::info!(
+                error = %e,
+                "group offset commit failed; harmless: positions live in the database, and a later commit catches up"
+            ),
+        }
+    }
+}
+
+impl PollerContext {
+    fn rebalance_inner(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
         let cooperative = matches!(consumer.rebalance_protocol(), RebalanceProtocol::Cooperative);
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.assign(consumer, tpl, cooperative),
@@ -812,19 +913,6 @@ impl ConsumerContext for PollerContext {
         }
     }
 
-    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) => tracing::trace!(count = offsets.count(), "offsets committed to the group"),
-            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
-            Err(e) => tracing::info!(
-                error = %e,
-                "group offset commit failed; harmless: positions live in the database, and a later commit catches up"
-            ),
-        }
-    }
-}
-
-impl PollerContext {
     fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, cooperative: bool) {
         metrics::counter!(metrics_names::REBALANCES, "kind" => "assign").increment(1);
         let mut tpl = tpl.clone();

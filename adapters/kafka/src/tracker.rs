@@ -188,6 +188,12 @@ impl Partition {
         Some(next)
     }
 
+    /// Where this member stands in the partition: the contiguous settled position (what the
+    /// database holds), else the first offset received and not settled.
+    pub(crate) fn position(&self) -> Option<i64> {
+        self.done_next.or_else(|| self.window.front().map(|(o, _)| *o))
+    }
+
     /// The highest contiguous settled offset + 1, if any.
     pub(crate) fn done_next(&self) -> Option<i64> {
         self.done_next

@@ -243,6 +243,7 @@ where
 }
 
 mod dead_letters;
+mod health;
 mod metrics;
 mod missing_positions;
 

@@ -76,3 +76,19 @@ pub(crate) fn gauge(name: &str, label: (&str, &str)) -> f64 {
         .map(|(.., g)| g)
         .sum()
 }
+
+/// Where the record of gauge values stands now (see [`gauge_values`]).
+pub(crate) fn gauge_mark() -> usize {
+    read().gauges.len()
+}
+
+/// The values of gauge `name` on the series carrying every label of `labels`, seen since
+/// `mark`. The recorder resets a gauge to 0 when it is read, so for gauges this crate `set`s
+/// (the lag) a snapshot shows the value set since the previous snapshot, or 0.
+pub(crate) fn gauge_values(name: &str, labels: &[(&str, &str)], mark: usize) -> Vec<f64> {
+    read().gauges[mark..]
+        .iter()
+        .filter(|(n, l, _)| n == name && labels.iter().all(|label| has(l, *label)))
+        .map(|(.., g)| *g)
+        .collect()
+}

@@ -1,0 +1,98 @@
+//! What the AMQP source tells the consumer's health and the queue-depth gauge.
+
+use std::sync::{Mutex, OnceLock};
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use txinbox::health::BrokerStatus;
+use txinbox::Consumer;
+use txinbox_amqp::telemetry;
+
+use super::*;
+
+fn snapshotter() -> &'static Snapshotter {
+    static S: OnceLock<Snapshotter> = OnceLock::new();
+    S.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let s = recorder.snapshotter();
+        recorder.install().expect("the only recorder in this test binary");
+        s
+    })
+}
+
+/// Values of gauge `name` for `queue` seen so far (the recorder resets a gauge when read: each
+/// is what was set since the previous read, or 0).
+fn gauge_values(name: &str, queue: &str) -> Vec<f64> {
+    static SEEN: Mutex<Vec<(String, String, f64)>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap();
+    for (key, _, _, value) in snapshotter().snapshot().into_vec() {
+        let q = key
+            .key()
+            .labels()
+            .find(|l| l.key() == "queue")
+            .map(|l| l.value().to_owned());
+        if let (DebugValue::Gauge(g), Some(q)) = (value, q) {
+            seen.push((key.key().name().to_owned(), q, g.into_inner()));
+        }
+    }
+    seen.iter()
+        .filter(|(n, q, _)| n == name && q == queue)
+        .map(|(.., v)| *v)
+        .collect()
+}
+
+/// With a slow handler and a small prefetch most messages wait in the queue: the depth gauge
+/// shows them (ready messages, as the broker counts them), and the consumer's health reports
+/// the broker connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_depth_and_connection_are_reported() {
+    snapshotter();
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("depth").await;
+    let messages: Vec<_> = (0..30)
+        .map(|i| (Some(format!("depth-{i}")), deposit("alice", 1)))
+        .collect();
+    queue.publish_all(&messages).await;
+
+    let source = AmqpSource::connect(queue.config(2)).await.unwrap();
+    let consumer = Consumer::builder("amqp-health")
+        .source(source)
+        .inbox(db.inbox())
+        .handler(DepositHandler::default().holding(Duration::from_millis(500)))
+        .concurrency(1)
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    assert_eq!(
+        health.report().broker,
+        BrokerStatus::Connected,
+        "connected before it runs"
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async move {
+        let _ = stopped.await;
+    }));
+
+    wait_until(
+        Duration::from_secs(15),
+        "the depth gauge shows the waiting messages",
+        || async {
+            gauge_values(telemetry::QUEUE_DEPTH, &queue.name)
+                .iter()
+                .any(|v| *v >= 20.0)
+        },
+    )
+    .await;
+    let report = health.report();
+    assert!(report.is_ready(), "{:?}", report.problems());
+    assert_eq!(report.broker, BrokerStatus::Connected);
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    queue.delete().await;
+    db.drop_db().await;
+}

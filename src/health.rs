@@ -1,0 +1,392 @@
+//! Health for orchestrators: what a `/healthz` (alive) and a `/readyz` (can make progress)
+//! endpoint answer.
+//!
+//! [`Consumer::health`](crate::Consumer::health) returns a [`Health`] handle before the
+//! consumer runs; clone it into a web server and call [`Health::report`] per request. A
+//! report is a snapshot of:
+//!
+//! | field | from |
+//! |---|---|
+//! | [`state`](HealthReport::state) | not started, running, stopped (`run` returned) |
+//! | [`database_reachable`](HealthReport::database_reachable) | the runtime: `false` from a failed transaction that found the database unavailable until the next one succeeds |
+//! | [`intake_paused`](HealthReport::intake_paused) | the runtime pauses intake while the database is unreachable (nothing is received, nothing acked) |
+//! | [`broker`](HealthReport::broker) | the source, if it reports ([`SourceHealth::set_connected`]); [`BrokerStatus::Unknown`] otherwise |
+//! | [`assigned`](HealthReport::assigned) | the source, if it reports ([`SourceHealth::set_assigned`]): Kafka partitions; `None` otherwise |
+//! | [`lanes`](HealthReport::lanes) | the runtime: per lane with unsettled deliveries (and lanes recently active or assigned), how many, the oldest one's age, the time since the lane last settled something, and whether it is **stalled**: deliveries waiting and no progress for longer than [`stall_after`](Health::stall_after) |
+//!
+//! [`HealthReport::is_alive`] is `false` only once the consumer stopped. [`HealthReport::is_ready`]
+//! also needs the consumer running, the database reachable, the broker not known to be
+//! disconnected and no lane stalled. A consumer with no partitions assigned (more members than
+//! partitions, or while joining the group) is ready: not-ready would hold a rolling deployment
+//! of such standby members forever.
+//!
+//! Reading a report takes one short lock; the per-message cost of tracking is one uncontended
+//! lock when a delivery is received and one when it is settled.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Default for [`Health::stall_after`]: 5 minutes, longer than the default retry backoff
+/// ceiling, so a message retried in place does not read as a stall.
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(300);
+
+/// Idle lanes (nothing unsettled, not assigned) are forgotten once more than this many lanes
+/// are tracked, so key-level lanes cannot grow the map without bound.
+const MAX_IDLE_LANES: usize = 1024;
+
+/// A cheap, cloneable view of one consumer's health; see the [module docs](self).
+///
+/// It stays valid after the consumer is dropped or stopped (it then reports
+/// [`RunState::Stopped`]).
+#[derive(Clone)]
+pub struct Health {
+    state: Arc<State>,
+    stall_after: Duration,
+}
+
+impl fmt::Debug for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Health")
+            .field("consumer", &self.state.consumer)
+            .field("stall_after", &self.stall_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Health {
+    pub(crate) fn new(state: Arc<State>) -> Self {
+        Health {
+            state,
+            stall_after: DEFAULT_STALL_AFTER,
+        }
+    }
+
+    /// A handle reporting lanes as stalled after `threshold` without progress while
+    /// deliveries wait. Default: [`DEFAULT_STALL_AFTER`]. Set it above the longest retry
+    /// backoff and the longest handler run you expect.
+    #[must_use]
+    pub fn stall_after(mut self, threshold: Duration) -> Self {
+        self.stall_after = threshold;
+        self
+    }
+
+    /// A snapshot of the consumer's health now.
+    pub fn report(&self) -> HealthReport {
+        self.state.report(self.stall_after)
+    }
+}
+
+/// Whether [`Consumer::run`](crate::Consumer::run) is going.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    /// Built, `run` not called yet.
+    NotStarted,
+    /// Running.
+    Running,
+    /// `run` returned (source finished, shutdown, or a fatal error) or its future was dropped.
+    Stopped,
+}
+
+/// The broker connection as the source reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerStatus {
+    /// The source does not report (the default), or has not yet.
+    Unknown,
+    /// Connected.
+    Connected,
+    /// Not connected: the source is reconnecting.
+    Disconnected,
+}
+
+/// A snapshot of one consumer's health; see [`Health::report`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct HealthReport {
+    /// The consumer's name.
+    pub consumer: String,
+    /// Whether the consumer runs.
+    pub state: RunState,
+    /// Whether the inbox database was reachable at the last transaction.
+    pub database_reachable: bool,
+    /// Whether intake is paused for a database outage.
+    pub intake_paused: bool,
+    /// The broker connection, as the source reports it.
+    pub broker: BrokerStatus,
+    /// The lanes (Kafka: `topic/partition`) the broker assigned to this member, if the source
+    /// reports assignments; `Some(empty)` means nothing is assigned.
+    pub assigned: Option<Vec<String>>,
+    /// Lanes with unsettled deliveries, lanes that were recently active and assigned lanes,
+    /// sorted by lane.
+    pub lanes: Vec<LaneHealth>,
+}
+
+/// One lane in a [`HealthReport`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LaneHealth {
+    /// The lane key (`topic/partition` for Kafka); `None` for unordered deliveries.
+    pub lane: Option<String>,
+    /// Deliveries received and not yet settled (queued or being processed).
+    pub unsettled: usize,
+    /// How long the oldest unsettled delivery has been received.
+    pub oldest_unsettled: Option<Duration>,
+    /// Time since the lane last settled a delivery; `None` if it never did.
+    pub since_progress: Option<Duration>,
+    /// Deliveries wait and the lane made no progress for longer than the stall threshold.
+    pub stalled: bool,
+}
+
+impl HealthReport {
+    /// Alive: the consumer has not stopped. What `/healthz` answers.
+    pub fn is_alive(&self) -> bool {
+        self.state != RunState::Stopped
+    }
+
+    /// Ready: it can make progress. What `/readyz` answers; [`problems`](Self::problems) says
+    /// why not.
+    pub fn is_ready(&self) -> bool {
+        self.problems().is_empty()
+    }
+
+    /// Why the consumer is not ready, one line each; empty when it is.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        match self.state {
+            RunState::NotStarted => problems.push("not started".to_owned()),
+            RunState::Stopped => problems.push("stopped".to_owned()),
+            RunState::Running => {}
+        }
+        if !self.database_reachable {
+            problems.push("inbox database unreachable; intake paused".to_owned());
+        }
+        if self.broker == BrokerStatus::Disconnected {
+            problems.push("broker disconnected".to_owned());
+        }
+        for lane in self.lanes.iter().filter(|l| l.stalled) {
+            problems.push(format!(
+                "lane {} stalled: {} unsettled, no progress for {:?}",
+                lane.lane.as_deref().unwrap_or("(unordered)"),
+                lane.unsettled,
+                lane.since_progress.or(lane.oldest_unsettled).unwrap_or_default()
+            ));
+        }
+        problems
+    }
+}
+
+/// What a [`MessageSource`](crate::MessageSource) reports about its broker; given to it by
+/// [`MessageSource::attach_health`](crate::MessageSource::attach_health). Cheap to clone and
+/// to call from any thread (a poller thread, a rebalance callback).
+#[derive(Clone, Default)]
+pub struct SourceHealth(Arc<SourceState>);
+
+#[derive(Default)]
+struct SourceState {
+    /// 0 unknown, 1 connected, 2 disconnected.
+    connected: AtomicU8,
+    assigned: Mutex<Option<Vec<Arc<str>>>>,
+}
+
+impl fmt::Debug for SourceHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SourceHealth")
+            .field("broker", &self.broker())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SourceHealth {
+    /// Reports the broker connection up or down.
+    pub fn set_connected(&self, connected: bool) {
+        self.0
+            .connected
+            .store(if connected { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// Reports the lanes the broker assigned to this member (the same keys as
+    /// [`Lane::Ordered`](crate::Lane::Ordered)); replaces the previous report.
+    pub fn set_assigned<I, L>(&self, lanes: I)
+    where
+        I: IntoIterator<Item = L>,
+        L: Into<Arc<str>>,
+    {
+        let mut lanes: Vec<Arc<str>> = lanes.into_iter().map(Into::into).collect();
+        lanes.sort();
+        *self.0.assigned.lock().unwrap() = Some(lanes);
+    }
+
+    fn broker(&self) -> BrokerStatus {
+        match self.0.connected.load(Ordering::Relaxed) {
+            1 => BrokerStatus::Connected,
+            2 => BrokerStatus::Disconnected,
+            _ => BrokerStatus::Unknown,
+        }
+    }
+
+    fn assigned(&self) -> Option<Vec<Arc<str>>> {
+        self.0.assigned.lock().unwrap().clone()
+    }
+}
+
+/// The runtime's side: written by the consumer, read by [`Health`].
+pub(crate) struct State {
+    consumer: Arc<str>,
+    /// 0 not started, 1 running, 2 stopped.
+    run: AtomicU8,
+    database: AtomicBool,
+    pub(crate) source: SourceHealth,
+    lanes: Mutex<HashMap<Option<Arc<str>>, LaneStat>>,
+}
+
+#[derive(Default)]
+struct LaneStat {
+    unsettled: usize,
+    /// Receive instants of the unsettled deliveries, with counts.
+    received: BTreeMap<Instant, usize>,
+    last_progress: Option<Instant>,
+    /// When the lane last went from nothing unsettled to something.
+    busy_since: Option<Instant>,
+}
+
+/// One lane's numbers, for the gauges.
+pub(crate) struct LaneSample {
+    pub(crate) lane: Option<Arc<str>>,
+    pub(crate) oldest_unsettled: Duration,
+}
+
+impl State {
+    pub(crate) fn new(consumer: Arc<str>) -> Self {
+        State {
+            consumer,
+            run: AtomicU8::new(0),
+            database: AtomicBool::new(true),
+            source: SourceHealth::default(),
+            lanes: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub(crate) fn set_running(&self, running: bool) {
+        self.run.store(if running { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_database(&self, reachable: bool) {
+        self.database.store(reachable, Ordering::Relaxed);
+    }
+
+    /// A delivery of `lane` was received at `at`.
+    pub(crate) fn received(&self, lane: &Option<Arc<str>>, at: Instant) {
+        let mut lanes = self.lanes.lock().unwrap();
+        if !lanes.contains_key(lane) && lanes.len() >= MAX_IDLE_LANES {
+            let assigned = self.source.assigned().unwrap_or_default();
+            lanes.retain(|k, s| s.unsettled > 0 || k.as_ref().is_some_and(|k| assigned.contains(k)));
+        }
+        let stat = lanes.entry(lane.clone()).or_default();
+        if stat.unsettled == 0 {
+            stat.busy_since = Some(at);
+        }
+        stat.unsettled += 1;
+        *stat.received.entry(at).or_default() += 1;
+    }
+
+    /// A delivery of `lane` received at `at` was settled, or given up unsettled.
+    pub(crate) fn settled(&self, lane: &Option<Arc<str>>, at: Instant) {
+        let mut lanes = self.lanes.lock().unwrap();
+        let Some(stat) = lanes.get_mut(lane) else {
+            return;
+        };
+        stat.unsettled = stat.unsettled.saturating_sub(1);
+        if let Some(n) = stat.received.get_mut(&at) {
+            *n -= 1;
+            if *n == 0 {
+                stat.received.remove(&at);
+            }
+        }
+        stat.last_progress = Some(Instant::now());
+    }
+
+    /// Per lane: the age of its oldest unsettled delivery (zero when none), and how many
+    /// lanes are stalled past `stall_after`.
+    pub(crate) fn sample(&self, stall_after: Duration) -> (Vec<LaneSample>, usize) {
+        let now = Instant::now();
+        let lanes = self.lanes.lock().unwrap();
+        let mut stalled = 0;
+        let samples = lanes
+            .iter()
+            .map(|(lane, stat)| {
+                if stat.stalled(now, stall_after) {
+                    stalled += 1;
+                }
+                LaneSample {
+                    lane: lane.clone(),
+                    oldest_unsettled: stat.oldest(now).unwrap_or_default(),
+                }
+            })
+            .collect();
+        (samples, stalled)
+    }
+
+    fn report(&self, stall_after: Duration) -> HealthReport {
+        let now = Instant::now();
+        let assigned = self.source.assigned();
+        let mut lanes: Vec<LaneHealth> = {
+            let stats = self.lanes.lock().unwrap();
+            let mut lanes: Vec<LaneHealth> = stats
+                .iter()
+                .map(|(lane, stat)| LaneHealth {
+                    lane: lane.as_deref().map(str::to_owned),
+                    unsettled: stat.unsettled,
+                    oldest_unsettled: stat.oldest(now),
+                    since_progress: stat.last_progress.map(|t| now - t),
+                    stalled: stat.stalled(now, stall_after),
+                })
+                .collect();
+            for lane in assigned.iter().flatten() {
+                if !stats.contains_key(&Some(lane.clone())) {
+                    lanes.push(LaneHealth {
+                        lane: Some(lane.to_string()),
+                        unsettled: 0,
+                        oldest_unsettled: None,
+                        since_progress: None,
+                        stalled: false,
+                    });
+                }
+            }
+            lanes
+        };
+        lanes.sort_by(|a, b| a.lane.cmp(&b.lane));
+        let database_reachable = self.database.load(Ordering::Relaxed);
+        HealthReport {
+            consumer: self.consumer.to_string(),
+            state: match self.run.load(Ordering::Relaxed) {
+                0 => RunState::NotStarted,
+                1 => RunState::Running,
+                _ => RunState::Stopped,
+            },
+            database_reachable,
+            intake_paused: !database_reachable,
+            broker: self.source.broker(),
+            assigned: assigned.map(|a| a.iter().map(|l| l.to_string()).collect()),
+            lanes,
+        }
+    }
+}
+
+impl LaneStat {
+    fn oldest(&self, now: Instant) -> Option<Duration> {
+        self.received.keys().next().map(|t| now - *t)
+    }
+
+    fn stalled(&self, now: Instant, stall_after: Duration) -> bool {
+        if self.unsettled == 0 {
+            return false;
+        }
+        let since = match (self.last_progress, self.busy_since) {
+            (Some(p), Some(b)) => p.max(b),
+            (p, b) => p.or(b).unwrap_or(now),
+        };
+        now - since > stall_after
+    }
+}
