@@ -12,6 +12,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use tokio::task::JoinHandle;
 
 use crate::events::Outgoing;
@@ -372,6 +373,18 @@ impl Storm {
             unreachable!("the storm runs on Kafka")
         };
         let group = kafka.move_group(&format!("after-stall{}", self.broker_stalls.len()));
+        // On purpose, as an operator would (`txinbox positions rebind`): a consumer name is
+        // tied to one group, and a source refuses to read through another.
+        let topic = kafka.topic().to_owned();
+        txinbox::ops::positions::rebind(
+            &chaos.db.pool,
+            &chaos.consumer_name(),
+            txinbox::ops::positions::KAFKA,
+            &topic,
+            &group,
+        )
+        .await
+        .context("recording the new group (txinbox.subscriptions)")?;
         chaos.launcher.replace_arg("--group=", format!("--group={group}"));
         self.all_up(chaos).await?;
         chaos.line(
