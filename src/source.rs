@@ -81,6 +81,16 @@ pub trait Delivery: Send + Sync + 'static {
         None
     }
 
+    /// Which assignment of its lane this delivery belongs to, for sources that hand lanes out
+    /// and take them back (Kafka: a partition's assignment to this consumer; each new
+    /// assignment a new number). A lane the runtime stopped (a delivery of it left unsettled)
+    /// runs again with the first delivery of another assignment, which starts at the stored
+    /// position. `None`, the default: a stopped lane runs again only from a delivery at or
+    /// before the one it stopped at.
+    fn assignment(&self) -> Option<u64> {
+        None
+    }
+
     /// Ends the delivery on the broker.
     ///
     /// An error means the settlement did not (or may not) reach the broker; the broker will

@@ -614,7 +614,7 @@ where
                             // redelivered; stop rather than run its lane out of order.
                             let error = SourceError::fatal(format!("message task failed: {e}"));
                             shared.fail(Error::Source(error));
-                            (e.id(), process::LaneEnd::Stopped(None))
+                            (e.id(), process::LaneEnd::Stopped(process::Stop::for_good()))
                         }
                     };
                     if let Some(key) = sched.task_lanes.remove(&id) {
@@ -623,18 +623,18 @@ where
                         match &key {
                             Some(ordered) => match end {
                                 process::LaneEnd::Done => sched.pump(&key, &mut tasks, &shared),
-                                process::LaneEnd::Stopped(at) => {
+                                process::LaneEnd::Stopped(stop) => {
                                     // Queued behind the stop: dropped unsettled, unless the lane
-                                    // was delivered again meanwhile (then it goes on from there).
+                                    // was started over meanwhile (then it goes on from there).
                                     let queue = &mut lane.queue;
-                                    match queue.iter().position(|i| process::starts_over(at, &i.delivery)) {
+                                    match queue.iter().position(|i| stop.starts_over(&i.delivery)) {
                                         Some(k) => {
                                             queue.drain(..k);
                                             sched.pump(&key, &mut tasks, &shared);
                                         }
                                         None => {
                                             sched.lanes.remove(&key);
-                                            sched.stopped_lanes.insert(ordered.clone(), at);
+                                            sched.stopped_lanes.insert(ordered.clone(), stop);
                                         }
                                     }
                                 }
@@ -672,8 +672,8 @@ struct Scheduler<D> {
     task_lanes: HashMap<tokio::task::Id, LaneKey>,
     /// Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
     /// it), so their later deliveries are dropped unsettled too and will be redelivered. With
-    /// the unsettled delivery's position, if it had one: see [`Scheduler::stays_stopped`].
-    stopped_lanes: HashMap<Arc<str>, Option<i64>>,
+    /// where it stopped: see [`Scheduler::stays_stopped`].
+    stopped_lanes: HashMap<Arc<str>, process::Stop>,
     /// Linger timers: the lane and the generation that started it.
     lingering: FuturesUnordered<LingerTimer>,
     generation: u64,
@@ -705,15 +705,14 @@ enum Linger {
 }
 
 impl<D: crate::source::Delivery> Scheduler<D> {
-    /// Whether `delivery` of stopped lane `key` must be dropped. A lane stopped at a delivery
-    /// with a position runs again from a delivery at or before that position: the source
-    /// started the lane over (a Kafka partition assigned again starts at the stored position,
-    /// which never passed the stopping delivery). Without a position it stays stopped.
+    /// Whether `delivery` of stopped lane `key` must be dropped: until the source starts the
+    /// lane over ([`process::Stop::starts_over`]: another assignment of the lane, or a
+    /// delivery at or before where it stopped).
     fn stays_stopped(&mut self, key: &Arc<str>, delivery: &D) -> bool {
-        let Some(&at) = self.stopped_lanes.get(key) else {
+        let Some(stop) = self.stopped_lanes.get(key) else {
             return false;
         };
-        let again = process::starts_over(at, delivery);
+        let again = stop.starts_over(delivery);
         if again {
             tracing::info!(lane = %key, "a stopped lane is delivered again from before where it stopped; it runs again");
             self.stopped_lanes.remove(key);

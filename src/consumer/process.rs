@@ -95,10 +95,45 @@ pub(super) enum LaneEnd {
     /// Every delivery it took was settled (or its settlement's failure is harmless).
     Done,
     /// A delivery of an ordered lane was left unsettled, and the ones after it with it: nothing
-    /// of the lane may run until the source delivers it again. Holds that delivery's
-    /// [`Position::next`] if it has one: a delivery at or before it is the source starting the
-    /// lane over (a Kafka partition assigned again, from the stored position).
-    Stopped(Option<i64>),
+    /// of the lane may run until the source starts the lane over (see [`Stop`]).
+    Stopped(Stop),
+}
+
+/// Where an ordered lane stopped: the delivery left unsettled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Stop {
+    /// Its [`Position::next`], if it has one.
+    next: Option<i64>,
+    /// Its [`Delivery::assignment`].
+    assignment: Option<u64>,
+}
+
+impl Stop {
+    pub(super) fn at<D: Delivery>(delivery: &D) -> Stop {
+        Stop {
+            next: delivery.position().map(|p| p.next),
+            assignment: delivery.assignment(),
+        }
+    }
+
+    /// A stop nothing can start over (a failed task: the consumer is stopping).
+    pub(super) fn for_good() -> Stop {
+        Stop {
+            next: None,
+            assignment: None,
+        }
+    }
+
+    /// Whether `delivery` starts the lane over: it comes from another assignment of the lane
+    /// (a Kafka partition assigned again starts at the stored position, which never passed
+    /// the stopping delivery), or it is at or before the stopping delivery's position.
+    pub(super) fn starts_over<D: Delivery>(&self, delivery: &D) -> bool {
+        let reassigned = matches!(
+            (self.assignment, delivery.assignment()),
+            (Some(stopped), Some(now)) if stopped != now
+        );
+        reassigned || matches!((self.next, delivery.position()), (Some(at), Some(p)) if p.next <= at)
+    }
 }
 
 /// A delivery of a batch, with what the batch claim needs.
@@ -188,15 +223,15 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            let at = item.delivery.position().map(|p| p.next);
+            let stop = Stop::at(&item.delivery);
             if !process_alone(shared, item).await {
                 if ordered {
-                    // What this task still holds may include the lane delivered again.
-                    match queue.iter().position(|i| starts_over(at, &i.delivery)) {
+                    // What this task still holds may include the lane started over.
+                    match queue.iter().position(|i| stop.starts_over(&i.delivery)) {
                         Some(k) => abandon(queue.drain(..k).collect::<Vec<_>>().iter()),
                         None => {
                             abandon(&queue);
-                            return LaneEnd::Stopped(at);
+                            return LaneEnd::Stopped(stop);
                         }
                     }
                 }
@@ -211,7 +246,7 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         let Some(trip) = run_batch(shared, &batch).await else {
             abandon(&batch);
             abandon(&queue);
-            return LaneEnd::Stopped(batch[0].delivery.position().map(|p| p.next));
+            return LaneEnd::Stopped(Stop::at(&batch[0].delivery));
         };
         match trip {
             Trip::Committed(claims) => {
@@ -248,14 +283,6 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         }
     }
     LaneEnd::Done
-}
-
-/// Whether `delivery` starts a lane stopped at `at` over: it is at or before the position of
-/// the delivery the lane stopped at (a Kafka partition assigned again starts at the stored
-/// position, which never passed that delivery). A lane stopped without a position never
-/// starts over.
-pub(super) fn starts_over<D: Delivery>(at: Option<i64>, delivery: &D) -> bool {
-    matches!((at, delivery.position()), (Some(at), Some(p)) if p.next <= at)
 }
 
 /// Marks the spans of deliveries left unsettled (shutdown or a fatal error): every delivery

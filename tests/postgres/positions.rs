@@ -14,6 +14,11 @@ use super::*;
 /// dead-letter topic that does not take the copy).
 struct Positioned {
     records: std::vec::IntoIter<(i32, i64, &'static str)>,
+    /// The assignment each record comes from: a new one starts with each offset lower than
+    /// its predecessor's, or with each listed index (`reassigned_at`).
+    reassigned_at: Vec<usize>,
+    received: usize,
+    assignment: u64,
     settled: Settlements,
     refuse_dead_letters: Arc<AtomicUsize>,
 }
@@ -27,7 +32,16 @@ impl Positioned {
             records: records.into_iter(),
             settled: Settlements::default(),
             refuse_dead_letters: Arc::default(),
+            reassigned_at: Vec::new(),
+            received: 0,
+            assignment: 1,
         }
+    }
+
+    /// The records from index `i` on come from a new assignment of their lane.
+    fn reassigned_at(mut self, i: usize) -> Self {
+        self.reassigned_at.push(i);
+        self
     }
 
     /// The first `n` dead-letter settlements fail.
@@ -39,6 +53,7 @@ impl Positioned {
 
 struct PositionedDelivery {
     message: Message,
+    assignment: u64,
     settled: Settlements,
     refuse_dead_letters: Arc<AtomicUsize>,
 }
@@ -47,10 +62,16 @@ struct PositionedDelivery {
 impl MessageSource for Positioned {
     type Delivery = PositionedDelivery;
     async fn receive(&mut self) -> Result<Option<PositionedDelivery>, SourceError> {
+        if self.reassigned_at.contains(&self.received) {
+            self.assignment += 1;
+        }
+        self.received += 1;
+        let assignment = self.assignment;
         Ok(self.records.next().map(|(p, off, payload)| {
             let origin = Origin::new("memory", "orders").at(p, off);
             PositionedDelivery {
                 message: Message::new(payload, origin),
+                assignment,
                 settled: self.settled.clone(),
                 refuse_dead_letters: self.refuse_dead_letters.clone(),
             }
@@ -75,6 +96,9 @@ impl Delivery for PositionedDelivery {
     }
     fn lane(&self) -> Lane {
         Lane::Ordered(self.message.origin().partition.unwrap().to_string().into())
+    }
+    fn assignment(&self) -> Option<u64> {
+        Some(self.assignment)
     }
     fn position(&self) -> Option<Position> {
         let o = self.message.origin();
@@ -293,7 +317,8 @@ async fn a_lane_stopped_by_a_refused_dead_letter_runs_again_when_redelivered_fro
         (0, 2, ok(2)),
         (0, 3, ok(3)),
     ])
-    .refusing_dead_letters(1);
+    .refusing_dead_letters(1)
+    .reassigned_at(3);
     let settled = source.settled.clone();
     run(&db, "stopped-then-again", source).await;
     assert_eq!(positions(&db, "stopped-then-again").await, [("0".into(), 4)]);
@@ -327,4 +352,29 @@ async fn another_record_at_a_dead_lettered_offset_is_recorded_too() {
         payloads,
         [b"garbage one".to_vec(), b"a different garbage record".to_vec()]
     );
+}
+
+/// A lane stopped by a refused dead letter, whose partition another member took over and moved
+/// on, then assigned back to this consumer at a later position: the new assignment runs (it
+/// starts where the database says), it is not dropped for having passed the stop.
+#[tokio::test]
+async fn a_stopped_lane_assigned_again_at_a_later_position_runs() {
+    let db = TestDb::new(10).await;
+    let source = Positioned::new(vec![
+        (0, 0, ok(0)),
+        (0, 1, "not json"),
+        (0, 2, ok(2)),
+        // Assigned again after another member handled 1..=4.
+        (0, 5, ok(5)),
+        (0, 6, ok(6)),
+    ])
+    .refusing_dead_letters(1)
+    .reassigned_at(3);
+    let settled = source.settled.clone();
+    run(&db, "stopped-then-later", source).await;
+    assert_eq!(
+        *settled.lock().unwrap(),
+        [(0, 0, "ack"), (0, 5, "ack"), (0, 6, "ack")]
+    );
+    assert_eq!(positions(&db, "stopped-then-later").await, [("0".into(), 7)]);
 }

@@ -735,6 +735,10 @@ impl Delivery for KafkaDelivery {
         Lane::Ordered(self.lane.clone())
     }
 
+    fn assignment(&self) -> Option<u64> {
+        Some(self.generation.epoch)
+    }
+
     fn position(&self) -> Option<Position> {
         // An earlier offset of this partition was dropped unsettled (shutdown during an in-place
         // retry): storing this one's position would make a restart skip it. Leave the database
