@@ -365,6 +365,21 @@ impl KafkaConfig {
         Ok(())
     }
 
+    /// Where a partition with neither a database position nor a group offset starts, as
+    /// `auto.offset.reset` says (`earliest` unless set otherwise; `error` and unknown values:
+    /// left to librdkafka).
+    pub(crate) fn reset_offset(&self) -> rdkafka::Offset {
+        let reset = self
+            .properties
+            .get("auto.offset.reset")
+            .map_or("earliest", String::as_str);
+        match reset {
+            "earliest" | "smallest" | "beginning" => rdkafka::Offset::Beginning,
+            "latest" | "largest" | "end" => rdkafka::Offset::End,
+            _ => rdkafka::Offset::Invalid,
+        }
+    }
+
     /// The consumer's librdkafka configuration.
     pub(crate) fn consumer_config(&self) -> rdkafka::ClientConfig {
         let mut c = rdkafka::ClientConfig::new();

@@ -1087,12 +1087,20 @@ impl PollerContext {
         let committed = self.committed(consumer, &missing);
         for e in missing.elements() {
             let (topic, partition) = (e.topic(), e.partition());
-            let group_offset = match &committed {
-                Some(c) => match c.get(&(topic.to_owned(), partition)) {
-                    // Nothing the group passed: auto.offset.reset applies, as it always did.
-                    None | Some(None) => continue,
-                    Some(Some(o)) => Some(*o),
-                },
+            let group_offset = match committed
+                .as_ref()
+                .and_then(|c| c.get(&(topic.to_owned(), partition)))
+            {
+                // Nothing the group passed: auto.offset.reset applies, as it always did, set
+                // here rather than left to librdkafka's own later fetch of the group's offset.
+                Some(None) => {
+                    if let Err(e) = tpl.set_partition_offset(topic, partition, config.reset_offset()) {
+                        tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
+                    }
+                    continue;
+                }
+                Some(Some(o)) => Some(*o),
+                // Could not be read: held (Refuse) until it can be, or a position is written.
                 None => None,
             };
             match policy {
@@ -1151,6 +1159,15 @@ impl PollerContext {
                         committed
                             .elements()
                             .iter()
+                            // A partition whose offset came back with an error is left out: its
+                            // offset is unknown, not absent.
+                            .filter(|e| match e.error() {
+                                Ok(()) => true,
+                                Err(error) => {
+                                    tracing::warn!(topic = e.topic(), partition = e.partition(), %error, "reading the group's committed offset of a partition failed");
+                                    false
+                                }
+                            })
                             .map(|e| {
                                 let offset = match e.offset() {
                                     // A group offset of 0 passed nothing.
@@ -1506,6 +1523,7 @@ impl Recheck {
             return;
         }
         self.last = Some(Instant::now());
+        recheck_unknown_group_offsets(consumer, shared);
         let blocked = shared.lock().blocked();
         if blocked.is_empty() {
             return;
@@ -1530,6 +1548,80 @@ impl Recheck {
             let _ = tx.send(answers);
         });
         self.pending = Some(rx);
+    }
+}
+
+/// Reads the group's committed offsets of partitions blocked because they could not be read
+/// (a coordinator still loading, brokers rolling). Where the group has passed nothing, there
+/// was nothing to refuse: the partition starts at `auto.offset.reset`. Where it has, the
+/// partition stays held with that offset. On the poller thread, with a short timeout, only
+/// while such partitions exist.
+fn recheck_unknown_group_offsets(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
+    let unknown: Vec<(Arc<str>, i32)> = {
+        let state = shared.lock();
+        state
+            .partitions
+            .iter()
+            .flat_map(|(t, ps)| {
+                ps.iter()
+                    .filter(|(_, p)| p.blocked == Some(None) && !p.revoking)
+                    .map(move |(n, _)| (t.clone(), *n))
+            })
+            .collect()
+    };
+    if unknown.is_empty() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    for (topic, partition) in &unknown {
+        tpl.add_partition(topic, *partition);
+    }
+    let committed = match consumer.committed_offsets(tpl, Duration::from_secs(1)) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::debug!(error = %e, "the group's committed offsets of held partitions are still unreadable");
+            return;
+        }
+    };
+    for e in committed.elements() {
+        if e.error().is_err() {
+            continue;
+        }
+        let (topic, partition) = (e.topic(), e.partition());
+        match e.offset() {
+            Offset::Offset(o) if o > 0 => {
+                let mut state = shared.lock();
+                if let Some(p) = state
+                    .get_mut(topic, partition)
+                    .filter(|p| p.blocked == Some(None))
+                {
+                    p.blocked = Some(Some(o));
+                    tracing::error!(%topic, partition, group_offset = o, "held partition: the group's committed offset is {o} and the database has no position (see the earlier error for the ways out)");
+                }
+            }
+            _ => {
+                let reset = shared.config.reset_offset();
+                if let Err(error) = consumer.seek(topic, partition, reset, Duration::from_secs(5)) {
+                    tracing::info!(%topic, partition, %error, "starting a released partition at auto.offset.reset failed; trying again");
+                    continue;
+                }
+                {
+                    let mut state = shared.lock();
+                    let Some(p) = state.get_mut(topic, partition) else {
+                        continue;
+                    };
+                    if p.blocked.take().is_some() {
+                        state.count_blocked(topic, false);
+                    }
+                }
+                let mut one = TopicPartitionList::new();
+                one.add_partition(topic, partition);
+                if let Err(error) = consumer.resume(&one) {
+                    tracing::warn!(%topic, partition, %error, "resuming a released partition failed");
+                }
+                tracing::warn!(%topic, partition, "the group has passed nothing of this held partition after all: consuming it from auto.offset.reset");
+            }
+        }
     }
 }
 
