@@ -224,8 +224,10 @@ impl PartitionView {
     /// How the stored position stands.
     pub fn status(&self) -> PositionStatus {
         match (self.database_position, self.group_offset) {
-            (None, Some(_)) => PositionStatus::MissingInDb,
-            (None, None) => PositionStatus::Unstarted,
+            // A group offset of 0 passed nothing: the consumer starts such a partition at
+            // auto.offset.reset, it does not refuse it.
+            (None, Some(g)) if g > 0 => PositionStatus::MissingInDb,
+            (None, _) => PositionStatus::Unstarted,
             (Some(p), _) if p < self.low => PositionStatus::BelowLowWatermark,
             (Some(p), _) if p > self.high => PositionStatus::BeyondHighWatermark,
             (Some(p), Some(g)) if p < g => PositionStatus::BehindGroup,

@@ -517,7 +517,7 @@ impl KafkaDelivery {
                         offset = self.offset,
                         %error,
                         form = smaller.name(),
-                        "the dead letter is too large for the dead-letter topic; sending a reduced copy (the database's dead_letters row keeps the payload)"
+                        "the dead letter is too large for the dead-letter topic; sending a reduced copy (the database's dead_letters row keeps the payload up to dead_letter_payload_limit; beyond it, the whole record is only on the source topic until its retention)"
                     );
                     form = smaller;
                     continue;

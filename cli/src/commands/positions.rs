@@ -351,7 +351,7 @@ async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {
         ));
     }
     let mut text = format!(
-        "consumer {consumer}, topic {topic}: record group {} (was {}) in txinbox.subscriptions\n  the database positions stay; consumers of the old group are refused from now on: stop them, then start them with group.id {}\n",
+        "consumer {consumer}, topic {topic}: record group {} (was {}) in txinbox.subscriptions\n  the database positions stay; a consumer of the old group is refused at its next assignment (running ones go on until then): stop them first, then start them with group.id {}\n",
         a.group,
         recorded.as_deref().unwrap_or("none recorded"),
         a.group
