@@ -444,3 +444,62 @@ async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
         "partition 0 re-read from the earliest offset: every record a duplicate"
     );
 }
+
+/// The remedy the consumer's error names works while it runs: the consumer holds the partition
+/// without a database position (paused, never writing its position), so the running group is
+/// no reason to refuse `set --to-earliest` for it, and the consumer picks the position up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn set_to_earliest_for_a_held_partition_works_while_the_consumer_runs() {
+    let Some(brokers) = brokers() else { return };
+    let db = TestDb::new().await;
+    let topic = create_topic(&brokers, 2).await;
+    let consumer = consumer_name();
+    let producer = Producer::new(&brokers);
+    producer.deposits(&topic, 0, "a", 10).await;
+    producer.deposits(&topic, 1, "b", 10).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    let done = format!(
+        "SELECT coalesce(sum(next_position), 0)::bigint FROM txinbox.positions WHERE consumer = '{consumer}'"
+    );
+    db.wait_for(&done, 20, std::time::Duration::from_secs(60)).await;
+    running.stop().await;
+    db.exec(&format!(
+        "BEGIN;
+         DELETE FROM effects WHERE message_id LIKE 'b-%';
+         DELETE FROM txinbox.inbox WHERE message_id LIKE 'b-%';
+         DELETE FROM txinbox.positions WHERE consumer = '{consumer}' AND lane = '1';
+         COMMIT;"
+    ))
+    .await;
+
+    // Restarted: it holds partition 1.
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let set = txinbox(
+        &db.url,
+        Some(&brokers),
+        &[
+            "--json",
+            "positions",
+            "set",
+            "--consumer",
+            &consumer,
+            "--topic",
+            &topic,
+            "--to-earliest",
+            "--partition",
+            "1",
+            "--yes",
+        ],
+    )
+    .await;
+    assert_eq!(set.code, 0, "not refused for the running group: {set:?}");
+    db.wait_for(
+        "SELECT count(*) FROM effects WHERE message_id LIKE 'b-%'",
+        10,
+        std::time::Duration::from_secs(60),
+    )
+    .await;
+    running.stop().await;
+    assert_eq!(db.assert_none_twice().await, 20, "every effect once");
+}

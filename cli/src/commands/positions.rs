@@ -289,7 +289,9 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
         .iter()
         .filter_map(|c| {
             let v = views.iter().find(|v| v.partition == c.partition)?;
-            let resume = c.from.or(v.group_offset)?.max(v.low);
+            // Neither a position nor a group offset: the consumer would start at the low
+            // watermark (auto.offset.reset = earliest), so that is what a later start skips.
+            let resume = c.from.or(v.group_offset).unwrap_or(v.low).max(v.low);
             (c.to > resume).then(|| format!("partition {} offsets {resume}..{}", c.partition, c.to))
         })
         .collect();
@@ -299,8 +301,17 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
             skipped.join(", ")
         ));
     }
+    // A partition held for a missing database position is paused by its consumer, which never
+    // writes its position: running members cannot overwrite what is written for it (and the
+    // consumer picks it up within seconds, which is the point of writing it).
+    let only_held = changes.iter().all(|c| {
+        views
+            .iter()
+            .find(|v| v.partition == c.partition)
+            .is_some_and(|v| v.status() == ops::PositionStatus::MissingInDb)
+    });
     let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
-    if !members.is_empty() {
+    if !members.is_empty() && !only_held {
         refusals.push(format!(
             "group {group} has {} active member(s): {}; a consumer that holds a partition overwrites its database position with its own progress: stop the consumers first",
             members.len(),
