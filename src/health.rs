@@ -20,6 +20,8 @@
 //! partitions, or while joining the group) is ready: not-ready would hold a rolling deployment
 //! of such standby members forever.
 //!
+//! An outbox [`Relay`](crate::outbox::Relay) has its own, smaller report: [`RelayHealth`].
+//!
 //! Reading a report takes one short lock; the per-message cost of tracking is one uncontended
 //! lock when a delivery is received and one when it is settled.
 
@@ -360,11 +362,7 @@ impl State {
         let database_reachable = self.database.load(Ordering::Relaxed);
         HealthReport {
             consumer: self.consumer.to_string(),
-            state: match self.run.load(Ordering::Relaxed) {
-                0 => RunState::NotStarted,
-                1 => RunState::Running,
-                _ => RunState::Stopped,
-            },
+            state: run_state(&self.run),
             database_reachable,
             intake_paused: !database_reachable,
             broker: self.source.broker(),
@@ -388,5 +386,134 @@ impl LaneStat {
             (p, b) => p.or(b).unwrap_or(now),
         };
         now - since > stall_after
+    }
+}
+
+/// A cheap, cloneable view of an outbox relay's health, from
+/// [`Relay::health`](crate::outbox::Relay::health); stays valid after the relay stops.
+///
+/// The relay records it after every round of [`Relay::run_until`](crate::outbox::Relay::run_until):
+/// whether the round reached the database, and whether the broker took its publishes.
+#[derive(Clone)]
+pub struct RelayHealth(pub(crate) Arc<RelayState>);
+
+impl fmt::Debug for RelayHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RelayHealth")
+            .field("relay", &self.0.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayHealth {
+    /// A snapshot of the relay's health now.
+    pub fn report(&self) -> RelayReport {
+        let s = &self.0;
+        RelayReport {
+            relay: s.name.to_string(),
+            state: run_state(&s.run),
+            database_reachable: s.database.load(Ordering::Relaxed),
+            broker: match s.broker.load(Ordering::Relaxed) {
+                1 => BrokerStatus::Connected,
+                2 => BrokerStatus::Disconnected,
+                _ => BrokerStatus::Unknown,
+            },
+            since_last_round: s.last_round.lock().unwrap().map(|t| t.elapsed()),
+        }
+    }
+}
+
+/// A snapshot of an outbox relay's health; see [`RelayHealth::report`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// The relay's name.
+    pub relay: String,
+    /// Whether the relay runs.
+    pub state: RunState,
+    /// Whether the last round reached the database (`true` before the first).
+    pub database_reachable: bool,
+    /// `Disconnected` after a round in which every publish failed transiently (the broker looks
+    /// unavailable), `Connected` after one the broker confirmed a publish in; `Unknown` before.
+    pub broker: BrokerStatus,
+    /// Time since the last round that reached the database.
+    pub since_last_round: Option<Duration>,
+}
+
+impl RelayReport {
+    /// Alive: the relay has not stopped.
+    pub fn is_alive(&self) -> bool {
+        self.state != RunState::Stopped
+    }
+
+    /// Ready: running, the database reachable, the broker not known to be unavailable.
+    pub fn is_ready(&self) -> bool {
+        self.problems().is_empty()
+    }
+
+    /// Why the relay is not ready, one line each; empty when it is.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        match self.state {
+            RunState::NotStarted => problems.push("not started".to_owned()),
+            RunState::Stopped => problems.push("stopped".to_owned()),
+            RunState::Running => {}
+        }
+        if !self.database_reachable {
+            problems.push("outbox database unreachable".to_owned());
+        }
+        if self.broker == BrokerStatus::Disconnected {
+            problems.push("broker unavailable: publishes fail".to_owned());
+        }
+        problems
+    }
+}
+
+/// The relay's side: written by the relay, read by [`RelayHealth`].
+pub(crate) struct RelayState {
+    name: Arc<str>,
+    run: AtomicU8,
+    database: AtomicBool,
+    broker: AtomicU8,
+    last_round: Mutex<Option<Instant>>,
+}
+
+impl RelayState {
+    pub(crate) fn new(name: &str) -> Self {
+        RelayState {
+            name: name.into(),
+            run: AtomicU8::new(0),
+            database: AtomicBool::new(true),
+            broker: AtomicU8::new(0),
+            last_round: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn set_running(&self, running: bool) {
+        self.run.store(if running { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// A round ended: `Some((published, broker_unavailable))` if it reached the database.
+    pub(crate) fn round(&self, ended: Option<(usize, bool)>) {
+        match ended {
+            None => self.database.store(false, Ordering::Relaxed),
+            Some((published, broker_unavailable)) => {
+                self.database.store(true, Ordering::Relaxed);
+                *self.last_round.lock().unwrap() = Some(Instant::now());
+                if broker_unavailable {
+                    self.broker.store(2, Ordering::Relaxed);
+                } else if published > 0 {
+                    self.broker.store(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+fn run_state(run: &AtomicU8) -> RunState {
+    match run.load(Ordering::Relaxed) {
+        0 => RunState::NotStarted,
+        1 => RunState::Running,
+        _ => RunState::Stopped,
     }
 }
