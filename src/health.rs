@@ -135,7 +135,8 @@ pub struct LaneHealth {
     pub unsettled: usize,
     /// How long the oldest unsettled delivery has been received.
     pub oldest_unsettled: Option<Duration>,
-    /// Time since the lane last settled a delivery; `None` if it never did.
+    /// Time since the lane last settled a delivery (or gave one up unsettled, at shutdown or
+    /// behind a stopped delivery); `None` if it never did.
     pub since_progress: Option<Duration>,
     /// Deliveries wait and the lane made no progress for longer than the stall threshold.
     pub stalled: bool,
@@ -309,25 +310,17 @@ impl State {
         stat.last_progress = Some(Instant::now());
     }
 
-    /// Per lane: the age of its oldest unsettled delivery (zero when none), and how many
-    /// lanes are stalled past `stall_after`.
-    pub(crate) fn sample(&self, stall_after: Duration) -> (Vec<LaneSample>, usize) {
+    /// Per lane: the age of its oldest unsettled delivery (zero when none).
+    pub(crate) fn sample(&self) -> Vec<LaneSample> {
         let now = Instant::now();
         let lanes = self.lanes.lock().unwrap();
-        let mut stalled = 0;
-        let samples = lanes
+        lanes
             .iter()
-            .map(|(lane, stat)| {
-                if stat.stalled(now, stall_after) {
-                    stalled += 1;
-                }
-                LaneSample {
-                    lane: lane.clone(),
-                    oldest_unsettled: stat.oldest(now).unwrap_or_default(),
-                }
+            .map(|(lane, stat)| LaneSample {
+                lane: lane.clone(),
+                oldest_unsettled: stat.oldest(now).unwrap_or_default(),
             })
-            .collect();
-        (samples, stalled)
+            .collect()
     }
 
     fn report(&self, stall_after: Duration) -> HealthReport {
