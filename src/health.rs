@@ -510,3 +510,66 @@ fn run_state(run: &AtomicU8) -> RunState {
         _ => RunState::Stopped,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lane(report: &HealthReport) -> &LaneHealth {
+        &report.lanes[0]
+    }
+
+    #[test]
+    fn a_lane_is_stalled_only_while_deliveries_wait_without_progress() {
+        let state = State::new("c".into());
+        state.set_running(true);
+        let key = Some(Arc::<str>::from("t/0"));
+        let long_ago = Instant::now() - Duration::from_secs(60);
+        state.received(&key, long_ago);
+        let report = state.report(Duration::from_secs(5));
+        assert!(lane(&report).stalled && !report.is_ready(), "{report:?}");
+        assert_eq!(lane(&report).unsettled, 1);
+        assert!(lane(&report).oldest_unsettled.unwrap() >= Duration::from_secs(60));
+        state.settled(&key, long_ago);
+        let report = state.report(Duration::from_secs(5));
+        assert!(!lane(&report).stalled && report.is_ready(), "{report:?}");
+        assert_eq!(lane(&report).oldest_unsettled, None);
+        assert!(lane(&report).since_progress.is_some());
+    }
+
+    /// A lane idle for an hour that receives a delivery now is not stalled at once: the
+    /// clock starts when it got busy, not at its last progress.
+    #[test]
+    fn an_idle_lane_that_gets_busy_is_not_stalled_at_once() {
+        let state = State::new("c".into());
+        state.set_running(true);
+        let key = Some(Arc::<str>::from("t/0"));
+        state.received(&key, Instant::now());
+        state.settled(&key, Instant::now());
+        state.lanes.lock().unwrap().get_mut(&key).unwrap().last_progress =
+            Some(Instant::now() - Duration::from_secs(3600));
+        state.received(&key, Instant::now());
+        let report = state.report(Duration::from_secs(5));
+        assert!(!lane(&report).stalled, "{report:?}");
+    }
+
+    #[test]
+    fn idle_lanes_are_forgotten_past_the_cap_but_busy_and_assigned_ones_stay() {
+        let state = State::new("c".into());
+        state.source.set_assigned(["assigned"]);
+        let now = Instant::now();
+        let busy = Some(Arc::<str>::from("busy"));
+        state.received(&busy, now);
+        let assigned = Some(Arc::<str>::from("assigned"));
+        state.received(&assigned, now);
+        state.settled(&assigned, now);
+        for i in 0..MAX_IDLE_LANES + 10 {
+            let key = Some(Arc::<str>::from(format!("k{i}")));
+            state.received(&key, now);
+            state.settled(&key, now);
+        }
+        let lanes = state.lanes.lock().unwrap();
+        assert!(lanes.len() <= MAX_IDLE_LANES + 1, "{}", lanes.len());
+        assert!(lanes.contains_key(&busy) && lanes.contains_key(&assigned));
+    }
+}
