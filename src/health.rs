@@ -20,6 +20,8 @@
 //! partitions, or while joining the group) is ready: not-ready would hold a rolling deployment
 //! of such standby members forever.
 //!
+//! An outbox [`Relay`](crate::outbox::Relay) has its own, smaller report: [`RelayHealth`].
+//!
 //! Reading a report takes one short lock; the per-message cost of tracking is one uncontended
 //! lock when a delivery is received and one when it is settled.
 
@@ -133,7 +135,8 @@ pub struct LaneHealth {
     pub unsettled: usize,
     /// How long the oldest unsettled delivery has been received.
     pub oldest_unsettled: Option<Duration>,
-    /// Time since the lane last settled a delivery; `None` if it never did.
+    /// Time since the lane last settled a delivery (or gave one up unsettled, at shutdown or
+    /// behind a stopped delivery); `None` if it never did.
     pub since_progress: Option<Duration>,
     /// Deliveries wait and the lane made no progress for longer than the stall threshold.
     pub stalled: bool,
@@ -307,25 +310,17 @@ impl State {
         stat.last_progress = Some(Instant::now());
     }
 
-    /// Per lane: the age of its oldest unsettled delivery (zero when none), and how many
-    /// lanes are stalled past `stall_after`.
-    pub(crate) fn sample(&self, stall_after: Duration) -> (Vec<LaneSample>, usize) {
+    /// Per lane: the age of its oldest unsettled delivery (zero when none).
+    pub(crate) fn sample(&self) -> Vec<LaneSample> {
         let now = Instant::now();
         let lanes = self.lanes.lock().unwrap();
-        let mut stalled = 0;
-        let samples = lanes
+        lanes
             .iter()
-            .map(|(lane, stat)| {
-                if stat.stalled(now, stall_after) {
-                    stalled += 1;
-                }
-                LaneSample {
-                    lane: lane.clone(),
-                    oldest_unsettled: stat.oldest(now).unwrap_or_default(),
-                }
+            .map(|(lane, stat)| LaneSample {
+                lane: lane.clone(),
+                oldest_unsettled: stat.oldest(now).unwrap_or_default(),
             })
-            .collect();
-        (samples, stalled)
+            .collect()
     }
 
     fn report(&self, stall_after: Duration) -> HealthReport {
@@ -360,11 +355,7 @@ impl State {
         let database_reachable = self.database.load(Ordering::Relaxed);
         HealthReport {
             consumer: self.consumer.to_string(),
-            state: match self.run.load(Ordering::Relaxed) {
-                0 => RunState::NotStarted,
-                1 => RunState::Running,
-                _ => RunState::Stopped,
-            },
+            state: run_state(&self.run),
             database_reachable,
             intake_paused: !database_reachable,
             broker: self.source.broker(),
@@ -388,5 +379,197 @@ impl LaneStat {
             (p, b) => p.or(b).unwrap_or(now),
         };
         now - since > stall_after
+    }
+}
+
+/// A cheap, cloneable view of an outbox relay's health, from
+/// [`Relay::health`](crate::outbox::Relay::health); stays valid after the relay stops.
+///
+/// The relay records it after every round of [`Relay::run_until`](crate::outbox::Relay::run_until):
+/// whether the round reached the database, and whether the broker took its publishes.
+#[derive(Clone)]
+pub struct RelayHealth(pub(crate) Arc<RelayState>);
+
+impl fmt::Debug for RelayHealth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RelayHealth")
+            .field("relay", &self.0.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayHealth {
+    /// A snapshot of the relay's health now.
+    pub fn report(&self) -> RelayReport {
+        let s = &self.0;
+        RelayReport {
+            relay: s.name.to_string(),
+            state: run_state(&s.run),
+            database_reachable: s.database.load(Ordering::Relaxed),
+            broker: match s.broker.load(Ordering::Relaxed) {
+                1 => BrokerStatus::Connected,
+                2 => BrokerStatus::Disconnected,
+                _ => BrokerStatus::Unknown,
+            },
+            since_last_round: s.last_round.lock().unwrap().map(|t| t.elapsed()),
+        }
+    }
+}
+
+/// A snapshot of an outbox relay's health; see [`RelayHealth::report`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// The relay's name.
+    pub relay: String,
+    /// Whether the relay runs.
+    pub state: RunState,
+    /// Whether the last round reached the database (`true` before the first).
+    pub database_reachable: bool,
+    /// `Disconnected` after a round in which every publish failed transiently (the broker looks
+    /// unavailable), `Connected` after one the broker confirmed a publish in; `Unknown` before.
+    pub broker: BrokerStatus,
+    /// Time since the last round that reached the database.
+    pub since_last_round: Option<Duration>,
+}
+
+impl RelayReport {
+    /// Alive: the relay has not stopped.
+    pub fn is_alive(&self) -> bool {
+        self.state != RunState::Stopped
+    }
+
+    /// Ready: running, the database reachable, the broker not known to be unavailable.
+    pub fn is_ready(&self) -> bool {
+        self.problems().is_empty()
+    }
+
+    /// Why the relay is not ready, one line each; empty when it is.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        match self.state {
+            RunState::NotStarted => problems.push("not started".to_owned()),
+            RunState::Stopped => problems.push("stopped".to_owned()),
+            RunState::Running => {}
+        }
+        if !self.database_reachable {
+            problems.push("outbox database unreachable".to_owned());
+        }
+        if self.broker == BrokerStatus::Disconnected {
+            problems.push("broker unavailable: publishes fail".to_owned());
+        }
+        problems
+    }
+}
+
+/// The relay's side: written by the relay, read by [`RelayHealth`].
+pub(crate) struct RelayState {
+    name: Arc<str>,
+    run: AtomicU8,
+    database: AtomicBool,
+    broker: AtomicU8,
+    last_round: Mutex<Option<Instant>>,
+}
+
+impl RelayState {
+    pub(crate) fn new(name: &str) -> Self {
+        RelayState {
+            name: name.into(),
+            run: AtomicU8::new(0),
+            database: AtomicBool::new(true),
+            broker: AtomicU8::new(0),
+            last_round: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn set_running(&self, running: bool) {
+        self.run.store(if running { 1 } else { 2 }, Ordering::Relaxed);
+    }
+
+    /// A round ended: `Some((published, broker_unavailable))` if it reached the database.
+    pub(crate) fn round(&self, ended: Option<(usize, bool)>) {
+        match ended {
+            None => self.database.store(false, Ordering::Relaxed),
+            Some((published, broker_unavailable)) => {
+                self.database.store(true, Ordering::Relaxed);
+                *self.last_round.lock().unwrap() = Some(Instant::now());
+                if broker_unavailable {
+                    self.broker.store(2, Ordering::Relaxed);
+                } else if published > 0 {
+                    self.broker.store(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+fn run_state(run: &AtomicU8) -> RunState {
+    match run.load(Ordering::Relaxed) {
+        0 => RunState::NotStarted,
+        1 => RunState::Running,
+        _ => RunState::Stopped,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lane(report: &HealthReport) -> &LaneHealth {
+        &report.lanes[0]
+    }
+
+    #[test]
+    fn a_lane_is_stalled_only_while_deliveries_wait_without_progress() {
+        let state = State::new("c".into());
+        state.set_running(true);
+        let key = Some(Arc::<str>::from("t/0"));
+        let long_ago = Instant::now() - Duration::from_secs(60);
+        state.received(&key, long_ago);
+        let report = state.report(Duration::from_secs(5));
+        assert!(lane(&report).stalled && !report.is_ready(), "{report:?}");
+        assert_eq!(lane(&report).unsettled, 1);
+        assert!(lane(&report).oldest_unsettled.unwrap() >= Duration::from_secs(60));
+        state.settled(&key, long_ago);
+        let report = state.report(Duration::from_secs(5));
+        assert!(!lane(&report).stalled && report.is_ready(), "{report:?}");
+        assert_eq!(lane(&report).oldest_unsettled, None);
+        assert!(lane(&report).since_progress.is_some());
+    }
+
+    /// A lane idle for an hour that receives a delivery now is not stalled at once: the
+    /// clock starts when it got busy, not at its last progress.
+    #[test]
+    fn an_idle_lane_that_gets_busy_is_not_stalled_at_once() {
+        let state = State::new("c".into());
+        state.set_running(true);
+        let key = Some(Arc::<str>::from("t/0"));
+        state.received(&key, Instant::now());
+        state.settled(&key, Instant::now());
+        state.lanes.lock().unwrap().get_mut(&key).unwrap().last_progress =
+            Some(Instant::now() - Duration::from_secs(3600));
+        state.received(&key, Instant::now());
+        let report = state.report(Duration::from_secs(5));
+        assert!(!lane(&report).stalled, "{report:?}");
+    }
+
+    #[test]
+    fn idle_lanes_are_forgotten_past_the_cap_but_busy_and_assigned_ones_stay() {
+        let state = State::new("c".into());
+        state.source.set_assigned(["assigned"]);
+        let now = Instant::now();
+        let busy = Some(Arc::<str>::from("busy"));
+        state.received(&busy, now);
+        let assigned = Some(Arc::<str>::from("assigned"));
+        state.received(&assigned, now);
+        state.settled(&assigned, now);
+        for i in 0..MAX_IDLE_LANES + 10 {
+            let key = Some(Arc::<str>::from(format!("k{i}")));
+            state.received(&key, now);
+            state.settled(&key, now);
+        }
+        let lanes = state.lanes.lock().unwrap();
+        assert!(lanes.len() <= MAX_IDLE_LANES + 1, "{}", lanes.len());
+        assert!(lanes.contains_key(&busy) && lanes.contains_key(&assigned));
     }
 }

@@ -42,6 +42,7 @@ pub trait MessageSource: Send + 'static {
     /// assignments to the consumer's [`Health`](crate::health::Health). Called once, when the
     /// consumer is built. The default ignores it: the report then says
     /// [`BrokerStatus::Unknown`](crate::health::BrokerStatus::Unknown) and no assignment.
+    /// A source that wraps another forwards it to the inner one.
     fn attach_health(&mut self, health: crate::health::SourceHealth) {
         let _ = health;
     }

@@ -88,6 +88,10 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
         self.inner.capabilities()
     }
 
+    fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
+        self.inner.attach_health(health);
+    }
+
     async fn close(self) -> Result<(), SourceError> {
         self.inner.close().await
     }

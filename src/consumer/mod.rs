@@ -867,7 +867,7 @@ async fn refresh_gauges(health: Arc<health::State>, consumer: Arc<str>, shutdown
             _ = tick.tick() => {}
             _ = shutdown.cancelled() => break,
         }
-        let (samples, _) = health.sample(health::DEFAULT_STALL_AFTER);
+        let samples = health.sample();
         let mut seen = std::collections::HashSet::new();
         for sample in samples {
             let gauge = known.entry(sample.lane.clone()).or_insert_with(|| {

@@ -275,6 +275,7 @@ pub struct Relay<P> {
     publisher: Arc<P>,
     config: RelayConfig,
     metrics: Metrics,
+    health: Arc<crate::health::RelayState>,
 }
 
 impl<P> fmt::Debug for Relay<P> {
@@ -367,9 +368,17 @@ impl<P: Publisher> Relay<P> {
         Ok(Relay {
             pool,
             publisher: Arc::new(publisher),
+            health: Arc::new(crate::health::RelayState::new(&config.name)),
             config,
             metrics,
         })
+    }
+
+    /// A handle reporting this relay's health (running, database reachable, broker taking
+    /// publishes), for `/healthz` and `/readyz`. Take it before
+    /// [`run_until`](Self::run_until), which consumes the relay.
+    pub fn health(&self) -> crate::health::RelayHealth {
+        crate::health::RelayHealth(self.health.clone())
     }
 
     /// Runs until `shutdown` completes: publishes whatever is due, then waits for a
@@ -378,6 +387,14 @@ impl<P: Publisher> Relay<P> {
     /// `publish_timeout`); waits for a connection, retention and the backlog query are
     /// abandoned (nothing is lost: they are repeated by the next run).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+        struct Stopped(Arc<crate::health::RelayState>);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                self.0.set_running(false);
+            }
+        }
+        self.health.set_running(true);
+        let _stopped = Stopped(self.health.clone());
         tokio::pin!(shutdown);
         let mut listener: Option<PgListener> = None;
         let far_past = Instant::now()
@@ -415,6 +432,12 @@ impl<P: Publisher> Relay<P> {
                     () = &mut shutdown => return Ok(()),
                     () = self.run_due_upkeep(&mut last_metrics, &mut last_purge) => {}
                 }
+                self.health.round(
+                    result
+                        .as_ref()
+                        .ok()
+                        .map(|round| (round.published, round.broker_unavailable)),
+                );
                 match result {
                     Ok(round) if round.broker_unavailable => {
                         let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);

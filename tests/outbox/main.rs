@@ -1047,3 +1047,90 @@ async fn an_outbox_id_taken_by_another_message_dead_letters_the_incoming_one() {
     assert!(dead[0].1.error.contains("another payload"), "{}", dead[0].1.error);
     assert_eq!(scalar_i64(&pool, "SELECT count(*) FROM txinbox.outbox").await, 1);
 }
+
+/// Polls `relay`'s health until `pred` holds; panics with the last report after `within`.
+async fn wait_relay(
+    health: &txinbox::health::RelayHealth,
+    within: Duration,
+    what: &str,
+    pred: impl Fn(&txinbox::health::RelayReport) -> bool,
+) {
+    let deadline = Instant::now() + within;
+    loop {
+        let report = health.report();
+        if pred(&report) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: last report {report:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A relay whose database refuses connections is alive but not ready, and says why; once
+/// stopped it is not alive.
+#[tokio::test]
+async fn relay_health_reports_an_unreachable_database() {
+    let refused: PgConnectOptions = "postgres://postgres@127.0.0.1:1/none".parse().unwrap();
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(300))
+        .connect_lazy_with(refused);
+    let relay = Relay::new(pool, Recorder::default(), fast_config()).unwrap();
+    let health = relay.health();
+    assert_eq!(health.report().state, txinbox::health::RunState::NotStarted);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    wait_relay(&health, Duration::from_secs(10), "database unreachable", |r| {
+        !r.database_reachable && !r.is_ready() && r.is_alive()
+    })
+    .await;
+    assert_eq!(health.report().problems(), ["outbox database unreachable"]);
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+    assert!(!health.report().is_alive());
+}
+
+/// Every publish of a round failing transiently reads as the broker being unavailable: not
+/// ready. Once publishes are confirmed again, ready.
+#[tokio::test]
+async fn relay_health_follows_the_broker() {
+    let pool = test_db().await;
+    for k in ["a", "b", "c"] {
+        outbox::write(&pool, &OutboxMessage::new(format!("{k}-0"), "t", "x").with_key(k))
+            .await
+            .unwrap();
+    }
+    let recorder = Recorder::default();
+    for k in ["a", "b", "c"] {
+        recorder
+            .failing
+            .lock()
+            .unwrap()
+            .insert(format!("{k}-0"), Failure::Times(1));
+    }
+    let relay = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
+    let health = relay.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    wait_relay(&health, Duration::from_secs(10), "broker unavailable", |r| {
+        r.broker == txinbox::health::BrokerStatus::Disconnected && !r.is_ready()
+    })
+    .await;
+    wait_relay(
+        &health,
+        Duration::from_secs(20),
+        "ready once publishes go through",
+        |r| {
+            r.broker == txinbox::health::BrokerStatus::Connected
+                && r.is_ready()
+                && r.since_last_round.is_some()
+        },
+    )
+    .await;
+    assert_eq!(recorder.ids().len(), 3);
+    let _ = stop.send(());
+    run.await.unwrap().unwrap();
+}

@@ -27,6 +27,15 @@
 //! `Ok` only on a delivery report, the row's key as the record key (per-key order = partition
 //! order), the message ID in the [`txinbox::outbox::ID_HEADER`] header.
 //!
+//! # Health and lag
+//!
+//! The source reports to the consumer's [`txinbox::health::Health`] the partitions assigned
+//! (`topic/partition`, after every rebalance) and the broker connection (from librdkafka's
+//! statistics: connected while any broker is up). [`metrics_names::LAG`] is the high
+//! watermark minus the database position per partition, from the same statistics, every
+//! `statistics.interval.ms` (5 s unless set). Both are read on the poller thread without
+//! network calls.
+//!
 //! # What it guarantees
 //!
 //! | situation | what happens |

@@ -156,3 +156,110 @@ async fn tansu_restored_database_holds_the_partition_until_a_position_is_written
     running.stop().await;
     db.assert_exactly_once(&expected).await;
 }
+
+/// On the real broker: with every handler blocked on a row lock, the lag gauge shows each
+/// partition's records (high watermark − database position) and the health report lists the
+/// assigned partitions and the broker as connected; once the locks go, the lag reported is 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tansu_lag_and_health_are_reported() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let Some(brokers) = brokers() else {
+        return;
+    };
+    init_tracing();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().expect("the only recorder in this test binary");
+    let lags = |topic: &str| -> Vec<(String, f64)> {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(key, ..)| key.key().name() == txinbox_kafka::metrics_names::LAG)
+            .filter(|(key, ..)| {
+                key.key()
+                    .labels()
+                    .any(|l| l.key() == "topic" && l.value() == topic)
+            })
+            .filter_map(|(key, _, _, value)| {
+                let partition = key
+                    .key()
+                    .labels()
+                    .find(|l| l.key() == "partition")?
+                    .value()
+                    .to_owned();
+                match value {
+                    DebugValue::Gauge(g) => Some((partition, g.into_inner())),
+                    _ => None,
+                }
+            })
+            .collect()
+    };
+
+    let topic = fresh_topic(&brokers, "lag", 2).await;
+    let db = TestDb::new().await;
+    for i in 0..7 {
+        sqlx::query("INSERT INTO accounts (id, balance) VALUES ($1, 0)")
+            .bind(format!("acct-{i}"))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM accounts FOR UPDATE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let published = Producer::new(&brokers).deposits(&topic, 2, "lag", 14, 0).await;
+
+    let inbox = db.inbox();
+    let config = kafka_config(&brokers, &format!("g-{topic}"), &topic).set("statistics.interval.ms", "200");
+    let consumer = txinbox::Consumer::builder(CONSUMER)
+        .source(txinbox_kafka::KafkaSource::new(config, inbox.clone()).unwrap())
+        .inbox(inbox)
+        .handler(DepositHandler::new(1))
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    // The recorder resets a gauge when read: collect what each read saw.
+    let mut seen: Vec<(String, f64)> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !(seen.contains(&("0".into(), 7.0)) && seen.contains(&("1".into(), 7.0))) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a lag of 7 per partition; saw {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        seen.extend(lags(&topic));
+    }
+    let report = health.report();
+    assert_eq!(
+        report.assigned,
+        Some(vec![format!("{topic}/0"), format!("{topic}/1")]),
+        "{report:?}"
+    );
+    assert_eq!(report.broker, txinbox::health::BrokerStatus::Connected);
+    assert!(report.is_ready(), "{:?}", report.problems());
+
+    lock.rollback().await.unwrap();
+    db.wait_applied(published.amounts.len() as i64, Duration::from_secs(60))
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    lags(&topic);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = lags(&topic);
+    assert!(after.iter().all(|(_, lag)| *lag == 0.0), "{after:?}");
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}

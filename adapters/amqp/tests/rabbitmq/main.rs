@@ -166,6 +166,8 @@ async fn connections_force_closed_mid_stream_recover_without_restart_and_stay_ex
     db.drop_db().await;
 }
 
+/// Also: the consumers' health reports the broker disconnected (not ready, still alive) while
+/// it is stopped, and connected once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn broker_stopped_and_started_mid_stream_recovers_and_stays_exactly_once() {
     let _suite = exclusive().await;
@@ -201,6 +203,13 @@ async fn broker_stopped_and_started_mid_stream_recovers_and_stays_exactly_once()
         || async { !a.monitor.is_connected() && !b.monitor.is_connected() },
     )
     .await;
+    // What an orchestrator sees meanwhile: alive, not ready, because the broker is gone.
+    for running in [&a, &b] {
+        let report = running.health.report();
+        assert_eq!(report.broker, txinbox::health::BrokerStatus::Disconnected);
+        assert!(report.is_alive() && !report.is_ready(), "{report:?}");
+        assert!(report.problems().contains(&"broker disconnected".to_owned()));
+    }
     tokio::time::sleep(Duration::from_secs(1)).await;
     tokio::task::spawn_blocking(move || stopped.start())
         .await
@@ -210,6 +219,10 @@ async fn broker_stopped_and_started_mid_stream_recovers_and_stays_exactly_once()
         a.monitor.is_connected() && b.monitor.is_connected()
     })
     .await;
+    for running in [&a, &b] {
+        let report = running.health.report();
+        assert_eq!(report.broker, txinbox::health::BrokerStatus::Connected);
+    }
     wait_settled(&db, &queue, &probe, 1_500, Duration::from_secs(90)).await;
     let (ra, rb) = (a.monitor.reconnects(), b.monitor.reconnects());
     a.stop().await;

@@ -608,6 +608,10 @@ impl<S: MessageSource> MessageSource for Probed<S> {
         self.inner.capabilities()
     }
 
+    fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
+        self.inner.attach_health(health);
+    }
+
     async fn close(self) -> Result<(), SourceError> {
         self.inner.close().await
     }
@@ -657,6 +661,8 @@ pub struct Running {
     pub task: tokio::task::JoinHandle<Result<(), txinbox::Error>>,
     stop: tokio::sync::oneshot::Sender<()>,
     pub monitor: AmqpMonitor,
+    /// The consumer's health (what `/readyz` would answer).
+    pub health: txinbox::health::Health,
 }
 
 impl Running {
@@ -701,11 +707,17 @@ pub async fn start(spec: &Spec<'_>, config: AmqpConfig, probe: &Arc<Probe>, idx:
         .retry_policy(spec.retry.clone())
         .build()
         .expect("consumer builds");
+    let health = consumer.health();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(consumer.run_until(async move {
         let _ = stopped.await;
     }));
-    Running { task, stop, monitor }
+    Running {
+        task,
+        stop,
+        monitor,
+        health,
+    }
 }
 
 /// Polls `cond` every 50 ms until it holds, or panics with `what` after `limit`.
