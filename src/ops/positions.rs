@@ -21,44 +21,54 @@ use std::fmt;
 
 use sqlx::PgPool;
 
-use super::Timestamp;
+use super::{on_db, Db, Timestamp};
 
 /// The `source_system` under which a Kafka source records its subscription.
 pub const KAFKA: &str = "kafka";
 
 /// The subscription (Kafka: consumer group) recorded for `consumer` reading `source` of
 /// `system`, if any.
-pub async fn subscription(
-    pool: &PgPool,
+pub async fn subscription<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     system: &str,
     source: &str,
 ) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT subscription FROM txinbox.subscriptions
+    let db = db.into();
+    let sql = format!(
+        "SELECT subscription FROM {}
          WHERE consumer = $1 AND source_system = $2 AND source = $3",
-    )
-    .bind(consumer)
-    .bind(system)
-    .bind(source)
-    .fetch_optional(pool)
-    .await
+        db.table("subscriptions")
+    );
+    on_db!(db, pool => {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .fetch_optional(pool)
+            .await
+    })
 }
 
 /// The sources of `system` that `consumer` has a recorded subscription for, with it, by source.
-pub async fn subscriptions(
-    pool: &PgPool,
+pub async fn subscriptions<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     system: &str,
 ) -> Result<BTreeMap<String, String>, sqlx::Error> {
-    let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT source, subscription FROM txinbox.subscriptions
+    let db = db.into();
+    let sql = format!(
+        "SELECT source, subscription FROM {}
          WHERE consumer = $1 AND source_system = $2 ORDER BY source",
-    )
-    .bind(consumer)
-    .bind(system)
-    .fetch_all(pool)
-    .await?;
+        db.table("subscriptions")
+    );
+    let rows: Vec<(String, String)> = on_db!(db, pool => {
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(system)
+            .fetch_all(pool)
+            .await?
+    });
     Ok(rows.into_iter().collect())
 }
 
@@ -342,10 +352,12 @@ pub async fn apply(
         .bind(consumer)
         .execute(&mut *tx)
         .await?;
-    let horizon: Option<i64> = sqlx::query_scalar(super::retention::HORIZON)
-        .bind(consumer)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let horizon: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(super::retention::horizon_sql(
+        super::Db::Postgres(pool),
+    )))
+    .bind(consumer)
+    .fetch_optional(&mut *tx)
+    .await?;
     if horizon.map(Timestamp) != checked_horizon {
         tx.rollback().await?;
         return Ok(Applied::HorizonMoved);

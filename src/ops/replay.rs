@@ -134,10 +134,12 @@ pub async fn set_positions(
         .bind(consumer)
         .execute(&mut *tx)
         .await?;
-    let horizon: Option<i64> = sqlx::query_scalar(super::retention::HORIZON)
-        .bind(consumer)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let horizon: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(super::retention::horizon_sql(
+        super::Db::Postgres(pool),
+    )))
+    .bind(consumer)
+    .fetch_optional(&mut *tx)
+    .await?;
     if horizon.map(Timestamp) != checked_horizon {
         tx.rollback().await?;
         return Ok(false);
