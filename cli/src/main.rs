@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use txinbox::ops::Db;
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use txinbox::sqlx::{ConnectOptions as _, Connection as _};
 use txinbox::{Fingerprint, IdStrategy};
 
@@ -387,14 +389,33 @@ pub(crate) struct Env {
 }
 
 impl Env {
-    /// Connects to PostgreSQL (and checks that the txinbox tables exist unless `migrating`).
-    async fn db(&self, migrating: bool) -> Result<PgPool, CliError> {
+    /// Connects to the database `--database-url` names, by its scheme: PostgreSQL
+    /// (`postgres://`) or the embedded SQLite store (`sqlite:path`, `sqlite://path`), and checks
+    /// that the txinbox tables exist unless `migrating`.
+    async fn db(&self, migrating: bool) -> Result<Store, CliError> {
         let url = self.database_url.as_deref().ok_or_else(|| {
             CliError::BadArgs("no database: pass --database-url or set DATABASE_URL".into())
         })?;
+        if url.starts_with("sqlite:") {
+            return sqlite(url, migrating).await.map(Store::Sqlite);
+        }
+        self.postgres(url, migrating).await.map(Store::Postgres)
+    }
+
+    /// [`db`](Self::db) for commands that exist only on PostgreSQL; `what` names the command.
+    async fn pg(&self, what: &str) -> Result<PgPool, CliError> {
+        match self.db(false).await? {
+            Store::Postgres(pool) => Ok(pool),
+            Store::Sqlite(_) => Err(CliError::failed(format!(
+                "`txinbox {what}` works on PostgreSQL only, not on the embedded SQLite store (pass a postgres:// --database-url)"
+            ))),
+        }
+    }
+
+    async fn postgres(&self, url: &str, migrating: bool) -> Result<PgPool, CliError> {
         let options: PgConnectOptions = url.parse().map_err(|_| {
             CliError::BadArgs(
-                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database"
+                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database or sqlite:path"
                     .into(),
             )
         })?;
@@ -480,6 +501,61 @@ impl Env {
     }
 }
 
+/// The database the inbox is in.
+pub(crate) enum Store {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+impl Store {
+    /// What the operations in `txinbox::ops` run on.
+    pub(crate) fn ops(&self) -> Db<'_> {
+        match self {
+            Store::Postgres(pool) => pool.into(),
+            Store::Sqlite(pool) => pool.into(),
+        }
+    }
+
+    /// How a table is called in this store, for messages (`txinbox.inbox`, `txinbox_inbox`).
+    pub(crate) fn table(&self, name: &str) -> String {
+        self.ops().table(name)
+    }
+}
+
+/// Opens the SQLite database file of `url` (`sqlite:path`, `sqlite://path`; created only when
+/// `migrating`) with the store's settings, and checks its txinbox tables unless `migrating`.
+async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
+    let options: SqliteConnectOptions = url.parse().map_err(|e| {
+        CliError::BadArgs(format!(
+            "--database-url / DATABASE_URL does not parse as a SQLite URL ({e}); expected sqlite:path or sqlite://path"
+        ))
+    })?;
+    let service = format!("SQLite database {}", options.get_filename().display());
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(txinbox::SqliteInbox::connect_options(options.create_if_missing(migrating)))
+        .await
+        .map_err(|e| CliError::Unreachable {
+            service,
+            detail: format!("{e} (check --database-url / DATABASE_URL: the file must exist; `txinbox migrate` creates it)"),
+        })?;
+    if !migrating {
+        let ready: bool = txinbox::sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'txinbox_retention')",
+        )
+        .fetch_one(&pool)
+        .await
+        .map_err(error::db("checking the txinbox tables"))?;
+        if !ready {
+            return Err(CliError::failed(
+                "the txinbox tables are missing or older than this tool: run `txinbox migrate` first",
+            ));
+        }
+    }
+    Ok(pool)
+}
+
 fn main() {
     let cli = Cli::parse();
     let env = Env {
@@ -522,10 +598,11 @@ fn main() {
 async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
     match command {
         Command::Migrate => {
-            let pool = env.db(true).await?;
-            txinbox::migrate(&pool)
-                .await
-                .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
+            match env.db(true).await? {
+                Store::Postgres(pool) => txinbox::migrate(&pool).await,
+                Store::Sqlite(pool) => txinbox::migrate_sqlite(&pool).await,
+            }
+            .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
             Ok(Report::ok(
                 serde_json::json!({ "migrated": true }),
                 "txinbox migrations applied\n".into(),

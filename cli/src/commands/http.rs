@@ -11,7 +11,7 @@ use crate::error::{db, CliError};
 use crate::{Env, HttpPurgeArgs, Report};
 
 pub async fn purge(env: &Env, a: HttpPurgeArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("http purge").await?;
     let (expired, bytes): (i64, i64) = txinbox::sqlx::query_as(
         "SELECT count(*), coalesce(sum(body_size), 0)::bigint
          FROM txinbox.http_idempotency WHERE expires_at <= now()",

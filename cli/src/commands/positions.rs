@@ -69,7 +69,7 @@ fn view_json(topic: &str, group: &str, v: &PartitionView) -> serde_json::Value {
 }
 
 async fn show(env: &Env, a: PositionsShowArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("positions").await?;
     let kafka = env.kafka("positions show")?;
     let consumer = a.consumer.consumer.as_str();
     let topics: Vec<String> = match a.consumer.topic {
@@ -99,7 +99,7 @@ async fn show(env: &Env, a: PositionsShowArgs) -> Result<Report, CliError> {
     let mut groups = serde_json::Map::new();
     let mut text = String::new();
     for topic in &topics {
-        let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
+        let group = super::group((&pool).into(), consumer, topic, a.group.as_deref()).await?;
         let views = views(&pool, &kafka, consumer, topic, &group, &[]).await?;
         let _ = writeln!(text, "consumer {consumer}, topic {topic}, group {group}");
         let _ = writeln!(
@@ -223,10 +223,10 @@ async fn write(
 }
 
 async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("positions").await?;
     let kafka = env.kafka("positions adopt")?;
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
-    let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
+    let group = super::group((&pool).into(), consumer, topic, a.group.as_deref()).await?;
     let horizon = retention::horizon(&pool, consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
@@ -247,10 +247,10 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
 }
 
 async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("positions").await?;
     let kafka = env.kafka("positions set")?;
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
-    let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
+    let group = super::group((&pool).into(), consumer, topic, a.group.as_deref()).await?;
     let horizon = retention::horizon(&pool, consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
@@ -332,7 +332,7 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
 }
 
 async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("positions").await?;
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
     let recorded = ops::subscription(&pool, consumer, ops::KAFKA, topic)
         .await

@@ -29,10 +29,10 @@ struct Plan {
 }
 
 pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let pool = env.pg("replay").await?;
     let kafka = env.kafka("replay")?;
     let topic = a.topic.as_str();
-    let group = super::group(&pool, &a.consumer, topic, a.group.as_deref()).await?;
+    let group = super::group((&pool).into(), &a.consumer, topic, a.group.as_deref()).await?;
 
     let plans = tokio::task::block_in_place(|| plan(&kafka, &a, &group))?;
     let stored: HashMap<i32, i64> = status::positions(&pool, Some(&a.consumer), Some(topic))
