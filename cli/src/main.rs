@@ -1,7 +1,7 @@
 //! `txinbox`: operate a txinbox deployment without writing SQL.
 //!
 //! Subcommands: `migrate`, `status`, `replay`, `positions show|adopt|set|rebind`, `purge`,
-//! `dead-letters list|show|requeue|discard`.
+//! `dead-letters list|show|requeue|discard`, `completions bash|zsh|fish`.
 //! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
 
 #[cfg(feature = "amqp")]
@@ -37,7 +37,11 @@ Exit codes:
   0  done
   1  the operation failed or was refused (the message says why and what to do)
   2  bad arguments
-  3  a service (PostgreSQL, Kafka) could not be reached
+  3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
+
+The database is PostgreSQL (postgres://...) or the embedded SQLite store (sqlite:path or
+sqlite://path): status, purge, dead-letters and migrate work on both, with the same output;
+replay, positions and http purge need PostgreSQL.
 
 Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
 -> start the consumers (they start from the database positions replay set).
@@ -59,7 +63,8 @@ struct Cli {
     /// Print machine-readable JSON on stdout (errors too, as {"error": ..., "exit_code": ...}).
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL holding the inbox.
+    /// The database holding the inbox: postgres://user@host:port/database, or the embedded
+    /// store's file as sqlite:path or sqlite://path.
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Kafka bootstrap servers (host:port,...), for status, replay, positions and Kafka
@@ -98,6 +103,20 @@ enum Command {
     /// HTTP Idempotency-Key records (txinbox-http).
     #[command(subcommand)]
     Http(HttpCommand),
+    /// Print a shell completion script: `txinbox completions bash > /etc/bash_completion.d/txinbox`,
+    /// `txinbox completions zsh > "${fpath[1]}/_txinbox"`,
+    /// `txinbox completions fish > ~/.config/fish/completions/txinbox.fish`.
+    Completions {
+        /// The shell.
+        shell: CompletionShell,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CompletionShell {
+    Bash,
+    Zsh,
+    Fish,
 }
 
 #[derive(Debug, Subcommand)]
@@ -558,6 +577,17 @@ async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
 
 fn main() {
     let cli = Cli::parse();
+    if let Command::Completions { shell } = cli.command {
+        use clap::CommandFactory as _;
+        use clap_complete::Shell;
+        let shell = match shell {
+            CompletionShell::Bash => Shell::Bash,
+            CompletionShell::Zsh => Shell::Zsh,
+            CompletionShell::Fish => Shell::Fish,
+        };
+        clap_complete::generate(shell, &mut Cli::command(), "txinbox", &mut std::io::stdout());
+        return;
+    }
     let env = Env {
         json: cli.json,
         database_url: cli.database_url,
@@ -620,6 +650,7 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
         Command::Http(HttpCommand::Purge(a)) => commands::http::purge(env, a).await,
+        Command::Completions { .. } => unreachable!("printed before the runtime starts"),
     }
 }
 
