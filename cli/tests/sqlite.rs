@@ -1,0 +1,473 @@
+//! The `txinbox` binary on the embedded SQLite store (`--database-url sqlite:path`), against a
+//! real SQLite file, next to the same data in a real PostgreSQL database (`DATABASE_URL`): the
+//! same commands give the same JSON and the same exit codes on both. The requeue test also
+//! needs a Kafka-protocol broker (`KAFKA_BROKERS`); without it, it says so and passes, except
+//! under `CI`.
+
+mod support;
+
+use serde_json::Value;
+use support::*;
+
+/// One of the two stores, with what differs in the SQL that seeds it.
+#[derive(Clone, Copy)]
+enum Side<'a> {
+    Pg(&'a TestDb),
+    Lite(&'a SqliteDb),
+}
+
+impl Side<'_> {
+    fn url(self) -> &'static str {
+        match self {
+            Side::Pg(db) => Box::leak(db.url.clone().into_boxed_str()),
+            Side::Lite(db) => Box::leak(db.url.clone().into_boxed_str()),
+        }
+    }
+
+    fn t(self, name: &str) -> String {
+        match self {
+            Side::Pg(_) => format!("txinbox.{name}"),
+            Side::Lite(_) => format!("txinbox_{name}"),
+        }
+    }
+
+    /// The time `days` days ago, as the time columns store it.
+    fn ago(self, days: i64) -> String {
+        match self {
+            Side::Pg(_) => format!("now() - interval '{days} days'"),
+            Side::Lite(_) => format!("CAST(unixepoch('subsec') * 1000 AS INTEGER) - {days} * 86400000"),
+        }
+    }
+
+    /// 32 bytes, each `byte` (two hex digits).
+    fn bytes32(self, byte: &str) -> String {
+        let hex = byte.repeat(32);
+        match self {
+            Side::Pg(_) => format!("decode('{hex}', 'hex')"),
+            Side::Lite(_) => format!("X'{hex}'"),
+        }
+    }
+
+    fn blob(self, text: &str) -> String {
+        match self {
+            Side::Pg(_) => format!("convert_to('{text}', 'UTF8')"),
+            Side::Lite(_) => format!("CAST('{text}' AS BLOB)"),
+        }
+    }
+
+    async fn exec(self, sql: &str) {
+        match self {
+            Side::Pg(db) => db.exec(sql).await,
+            Side::Lite(db) => db.exec(sql).await,
+        }
+    }
+
+    async fn scalar(self, sql: &str) -> i64 {
+        match self {
+            Side::Pg(db) => db.scalar(sql).await,
+            Side::Lite(db) => db.scalar(sql).await,
+        }
+    }
+
+    async fn run(self, brokers: Option<&str>, args: &[&str]) -> Run {
+        txinbox(self.url(), brokers, args).await
+    }
+}
+
+const CONSUMER: &str = "svc";
+
+/// The same rows in either store: consumer `svc` reading `topic` partition 0 (stored position
+/// 100, group `grp` recorded), three processed inbox rows 10 days old (purgeable), a fresh
+/// processed one, an old `retrying` one (never purged), a dead-lettered one; six dead letters:
+/// 1 requeueable, 2 a conflict, 3 truncated, 4 discarded, 5 without an ID, 6 with an
+/// offset-derived ID.
+async fn seed(db: Side<'_>, topic: &str) {
+    let (inbox, dead) = (db.t("inbox"), db.t("dead_letters"));
+    let rows = [
+        ("old-1", "processed", 10, 1),
+        ("old-2", "processed", 10, 2),
+        ("old-3", "processed", 10, 3),
+        ("fresh", "processed", 0, 4),
+        ("stuck", "retrying", 10, 6),
+        ("m-dead", "dead_lettered", 0, 5),
+    ];
+    for (id, status, days, offset) in rows {
+        let at = db.ago(days);
+        let done = if status == "retrying" {
+            "NULL".to_owned()
+        } else {
+            at.clone()
+        };
+        db.exec(&format!(
+            "INSERT INTO {inbox} (consumer, message_id, id_strategy, fingerprint, status, attempts,
+                                  first_seen_at, processed_at, source_system, destination,
+                                  source_partition, source_offset)
+             VALUES ('{CONSUMER}', '{id}', 'cloudevents', {fp}, '{status}', 1, {at}, {done},
+                     'kafka', '{topic}', 0, {offset})",
+            fp = db.bytes32("07"),
+        ))
+        .await;
+    }
+    db.exec(&format!(
+        "INSERT INTO {} (consumer, source, lane, next_position) VALUES ('{CONSUMER}', '{topic}', '0', 100)",
+        db.t("positions")
+    ))
+    .await;
+    db.exec(&format!(
+        "INSERT INTO {} (consumer, source_system, source, subscription) VALUES ('{CONSUMER}', 'kafka', '{topic}', 'grp')",
+        db.t("subscriptions")
+    ))
+    .await;
+    let payload = r#"{"account":"a","amount":1}"#;
+    let letters = [
+        (
+            "'m-dead'",
+            "'cloudevents'",
+            "07",
+            "permanent_error",
+            5,
+            "false",
+            "NULL",
+            "NULL",
+        ),
+        (
+            "'m-conf'",
+            "'cloudevents'",
+            "08",
+            "conflict",
+            7,
+            "false",
+            "NULL",
+            "NULL",
+        ),
+        (
+            "'m-cut'",
+            "'cloudevents'",
+            "09",
+            "permanent_error",
+            8,
+            "true",
+            "NULL",
+            "NULL",
+        ),
+        (
+            "'m-disc'",
+            "'cloudevents'",
+            "0a",
+            "permanent_error",
+            9,
+            "false",
+            "now",
+            "'known bad'",
+        ),
+        ("NULL", "NULL", "0b", "missing_id", 10, "false", "NULL", "NULL"),
+        (
+            "'kafka:t/0@11'",
+            "'offset'",
+            "0c",
+            "permanent_error",
+            11,
+            "false",
+            "NULL",
+            "NULL",
+        ),
+    ];
+    for (id, strategy, fp, reason, offset, truncated, discarded, why) in letters {
+        let discarded = if discarded == "now" {
+            db.ago(0)
+        } else {
+            discarded.to_owned()
+        };
+        db.exec(&format!(
+            "INSERT INTO {dead} (consumer, message_id, id_strategy, fingerprint, reason, error, attempts,
+                                 payload, headers, source_system, destination, source_partition,
+                                 source_offset, payload_size, truncated, discarded_at, discard_reason)
+             VALUES ('{CONSUMER}', {id}, {strategy}, {fp}, '{reason}', 'account a is blocked', 3,
+                     {payload}, '[{{\"name\": \"ce_id\", \"value\": \"x\"}}]', 'kafka', '{topic}', 0,
+                     {offset}, {size}, {truncated}, {discarded}, {why})",
+            fp = db.bytes32(fp),
+            payload = db.blob(payload),
+            size = payload.len(),
+        ))
+        .await;
+    }
+}
+
+/// `v` with every time (an RFC 3339 string) replaced by `<time>`: the two stores' clocks differ.
+fn timeless(v: &Value) -> Value {
+    match v {
+        Value::String(s) if s.parse::<txinbox::ops::Timestamp>().is_ok() && s.contains('T') => {
+            Value::String("<time>".into())
+        }
+        Value::Array(a) => Value::Array(a.iter().map(timeless).collect()),
+        Value::Object(o) => Value::Object(o.iter().map(|(k, v)| (k.clone(), timeless(v))).collect()),
+        other => other.clone(),
+    }
+}
+
+/// Runs `args` on both stores: the same exit code and the same JSON (times aside). Returns the
+/// SQLite run.
+async fn same_on_both(pg: Side<'_>, lite: Side<'_>, args: &[&str]) -> Run {
+    let mut with_json = vec!["--json"];
+    with_json.extend_from_slice(args);
+    let a = pg.run(None, &with_json).await;
+    let b = lite.run(None, &with_json).await;
+    assert_eq!(a.code, b.code, "exit codes of {args:?}\npg: {a:?}\nsqlite: {b:?}");
+    assert_eq!(
+        timeless(&a.json()),
+        timeless(&b.json()),
+        "JSON of {args:?}\npg: {a:?}\nsqlite: {b:?}"
+    );
+    b
+}
+
+async fn both() -> (TestDb, SqliteDb) {
+    let (pg, lite) = (TestDb::new().await, SqliteDb::new().await);
+    seed(Side::Pg(&pg), "orders").await;
+    seed(Side::Lite(&lite), "orders").await;
+    (pg, lite)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_is_the_same_on_sqlite_as_on_postgres() {
+    let (pg, lite) = both().await;
+    let (pg, lite) = (Side::Pg(&pg), Side::Lite(&lite));
+    let run = same_on_both(pg, lite, &["status"]).await;
+    let c = &run.ok()["consumers"][0];
+    assert_eq!(c["consumer"], CONSUMER);
+    assert_eq!(c["processed"], 4);
+    assert_eq!(c["retrying"], 1);
+    assert_eq!(c["dead_lettered_rows"], 1);
+    assert_eq!(c["dead_letters"], 6);
+    assert_eq!(c["dead_letters_pending"], 5);
+    assert_eq!(c["conflicts"], 1);
+    assert_eq!(c["retention_horizon"], Value::Null);
+    assert_eq!(c["partitions"][0]["database_position"], 100);
+    same_on_both(pg, lite, &["status", "--consumer", CONSUMER]).await;
+    let unknown = same_on_both(pg, lite, &["status", "--consumer", "nobody"]).await;
+    assert_eq!(unknown.code, 1);
+
+    // Text output too.
+    let text = lite.run(None, &["status"]).await;
+    assert_eq!(text.code, 0, "{text:?}");
+    assert!(text.stdout.contains("consumer svc"), "{}", text.stdout);
+    assert!(
+        text.stdout.contains("dead letters 6 (5 pending)"),
+        "{}",
+        text.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn purge_on_sqlite_plans_guards_the_window_and_deletes_like_postgres() {
+    let (pg, lite) = both().await;
+    let (pg, lite) = (Side::Pg(&pg), Side::Lite(&lite));
+    let scope = ["purge", "--consumer", CONSUMER];
+
+    let plan = same_on_both(pg, lite, &[&scope[..], &["--dry-run"]].concat()).await;
+    assert_eq!(plan.ok()["consumers"][0]["candidates"], 3);
+
+    // Inside the dedup window: refused without --force.
+    let inside = same_on_both(pg, lite, &[&scope[..], &["--older-than", "1d", "--yes"]].concat()).await;
+    assert_eq!(inside.code, 1);
+    assert!(inside.stderr.contains("inside the dedup window"), "{inside:?}");
+
+    // No terminal and no --yes: refused, nothing deleted.
+    let unconfirmed = same_on_both(pg, lite, &scope).await;
+    assert_eq!(unconfirmed.code, 1);
+    assert!(unconfirmed.stderr.contains("pass --yes"), "{unconfirmed:?}");
+    assert_eq!(lite.scalar("SELECT count(*) FROM txinbox_inbox").await, 6);
+
+    let done = same_on_both(pg, lite, &[&scope[..], &["--yes"]].concat()).await;
+    assert_eq!(done.ok()["consumers"][0]["deleted"], 3);
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_inbox").await,
+        3,
+        "the fresh, the retrying and the dead-lettered rows stay"
+    );
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_inbox WHERE message_id = 'stuck'")
+            .await,
+        1,
+        "retrying rows are never purged"
+    );
+    assert_eq!(lite.scalar("SELECT rows_purged FROM txinbox_retention").await, 3);
+    let status = same_on_both(pg, lite, &["status"]).await;
+    assert_ne!(status.ok()["consumers"][0]["retention_horizon"], Value::Null);
+
+    // A row at or after the stored position is kept even when old: a restart reads it again.
+    lite.exec("UPDATE txinbox_positions SET next_position = 4").await;
+    lite.exec(&format!(
+        "UPDATE txinbox_inbox SET processed_at = {} WHERE message_id IN ('fresh', 'm-dead')",
+        lite.ago(30)
+    ))
+    .await;
+    let again = lite
+        .run(None, &["--json", "purge", "--consumer", CONSUMER, "--yes"])
+        .await;
+    assert_eq!(again.ok()["consumers"][0]["deleted"], 0, "{again:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dead_letters_on_sqlite_list_show_discard_and_refuse_like_postgres() {
+    let (pg, lite) = both().await;
+    let (pg, lite) = (Side::Pg(&pg), Side::Lite(&lite));
+
+    let all = same_on_both(pg, lite, &["dead-letters", "list"]).await;
+    assert_eq!(all.ok()["dead_letters"].as_array().unwrap().len(), 6);
+    let pending = same_on_both(pg, lite, &["dead-letters", "list", "--state", "pending"]).await;
+    assert_eq!(pending.ok()["dead_letters"].as_array().unwrap().len(), 5);
+    same_on_both(pg, lite, &["dead-letters", "list", "--reason", "conflict"]).await;
+    same_on_both(
+        pg,
+        lite,
+        &["dead-letters", "list", "--consumer", CONSUMER, "--limit", "2"],
+    )
+    .await;
+    same_on_both(
+        pg,
+        lite,
+        &["dead-letters", "list", "--since", "2000-01-01T00:00:00Z"],
+    )
+    .await;
+    same_on_both(pg, lite, &["dead-letters", "show", "1"]).await;
+    let missing = same_on_both(pg, lite, &["dead-letters", "show", "99"]).await;
+    assert_eq!(missing.code, 1);
+
+    // Every requeue refusal, before any broker is needed: conflict, truncated, discarded,
+    // no ID, an offset-derived ID. Exit 1, nothing changed.
+    let refused = same_on_both(pg, lite, &["dead-letters", "requeue", "2", "3", "4", "5", "6"]).await;
+    assert_eq!(refused.code, 1);
+    let results = refused.json()["results"].as_array().unwrap().clone();
+    assert!(results.iter().all(|r| r["requeued"] == false), "{results:?}");
+    for (r, why) in results.iter().zip([
+        "conflict",
+        "stored cut",
+        "discarded",
+        "no message ID",
+        "strategy `offset`",
+    ]) {
+        assert!(r["error"].as_str().unwrap().contains(why), "{r} should say {why}");
+    }
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_dead_letters WHERE requeued_at IS NOT NULL")
+            .await,
+        0
+    );
+    // No brokers: the requeueable one stops at the missing service (exit 2), as on PostgreSQL.
+    let no_kafka = same_on_both(pg, lite, &["dead-letters", "requeue", "1"]).await;
+    assert_eq!(no_kafka.code, 2, "{no_kafka:?}");
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_inbox WHERE status = 'dead_lettered'")
+            .await,
+        1,
+        "the refused requeue rolled back"
+    );
+
+    let discarded = same_on_both(
+        pg,
+        lite,
+        &["dead-letters", "discard", "1", "2", "--reason", "fixed by hand"],
+    )
+    .await;
+    assert_eq!(discarded.code, 0, "{discarded:?}");
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_dead_letters WHERE discard_reason = 'fixed by hand' AND discarded_at IS NOT NULL").await,
+        2
+    );
+    // Discarding twice keeps the first reason.
+    same_on_both(pg, lite, &["dead-letters", "discard", "4", "--reason", "again"]).await;
+    assert_eq!(
+        lite.scalar("SELECT count(*) FROM txinbox_dead_letters WHERE discard_reason = 'known bad'")
+            .await,
+        1
+    );
+    same_on_both(pg, lite, &["dead-letters", "list", "--state", "discarded"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requeue_on_sqlite_republishes_to_kafka_and_reopens_the_row() {
+    let Some(brokers) = brokers() else { return };
+    let topic = create_topic(&brokers, 1).await;
+    let db = SqliteDb::new().await;
+    let lite = Side::Lite(&db);
+    seed(lite, &topic).await;
+
+    let run = lite
+        .run(Some(&brokers), &["--json", "dead-letters", "requeue", "1"])
+        .await;
+    let r = &run.ok()["results"][0];
+    assert_eq!(r["requeued"], true, "{run:?}");
+    assert_eq!(r["topic"], topic.as_str());
+    assert_eq!(r["partition"], 0);
+    assert_eq!(r["offset"], 0, "the copy is the topic's first record");
+    assert_eq!(r["inbox_status_before"], "dead_lettered");
+    assert_eq!(r["inbox_reopened"], true);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox_inbox WHERE message_id = 'm-dead' AND status = 'retrying' AND attempts = 0")
+            .await,
+        1,
+        "the inbox row is reopened, so the consumer processes the copy"
+    );
+    assert_eq!(
+        db.scalar("SELECT requeue_count FROM txinbox_dead_letters WHERE id = 1 AND requeued_at IS NOT NULL")
+            .await,
+        1
+    );
+    // Requeued again: the row is not dead-lettered any more, so it is left alone.
+    let again = lite
+        .run(Some(&brokers), &["--json", "dead-letters", "requeue", "1"])
+        .await;
+    assert_eq!(again.ok()["results"][0]["inbox_reopened"], false, "{again:?}");
+    assert_eq!(again.json()["results"][0]["offset"], 1);
+    let listed = lite
+        .run(None, &["--json", "dead-letters", "list", "--state", "requeued"])
+        .await;
+    assert_eq!(listed.ok()["dead_letters"][0]["id"], 1);
+    let shown = lite.run(None, &["--json", "dead-letters", "show", "1"]).await;
+    assert_eq!(shown.ok()["requeue_count"], 2, "{shown:?}");
+    assert_eq!(shown.json()["state"], "requeued");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sqlite_urls_migrate_and_postgres_only_commands_say_so() {
+    let dir = std::env::temp_dir().join(format!("txinbox-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("new.db");
+    let _ = std::fs::remove_file(&file);
+    let url = format!("sqlite://{}", file.display());
+
+    // A missing file is not created by a read: exit 3, as an unreachable database.
+    let missing = txinbox(&url, None, &["status"]).await;
+    assert_eq!(missing.code, 3, "{missing:?}");
+    assert!(!file.exists());
+    let migrated = txinbox(&url, None, &["--json", "migrate"]).await;
+    assert_eq!(migrated.ok()["migrated"], true);
+    let empty = txinbox(&url, None, &["--json", "status"]).await;
+    assert_eq!(empty.ok()["consumers"], serde_json::json!([]));
+    let again = txinbox(&format!("sqlite:{}", file.display()), None, &["migrate"]).await;
+    assert_eq!(again.code, 0, "migrate is idempotent: {again:?}");
+
+    for args in [
+        &["positions", "show", "--consumer", "svc"][..],
+        &["http", "purge", "--yes"][..],
+    ] {
+        let r = txinbox(&url, None, args).await;
+        assert_eq!(r.code, 1, "{args:?}: {r:?}");
+        assert!(r.stderr.contains("PostgreSQL only"), "{args:?}: {}", r.stderr);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn completions_for_bash_zsh_and_fish() {
+    for shell in ["bash", "zsh", "fish"] {
+        let r = txinbox("postgres://unused", None, &["completions", shell]).await;
+        assert_eq!(r.code, 0, "{shell}: {r:?}");
+        for word in ["dead-letters", "purge", "database-url", "older-than"] {
+            assert!(r.stdout.contains(word), "{shell} completions lack {word}");
+        }
+    }
+    let bad = txinbox("postgres://unused", None, &["completions", "powershell"]).await;
+    assert_eq!(bad.code, 2);
+}
