@@ -40,8 +40,8 @@ Exit codes:
   3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
 
 The database is PostgreSQL (postgres://...) or the embedded SQLite store (sqlite:path or
-sqlite://path): status, purge, dead-letters and migrate work on both, with the same output;
-replay, positions and http purge need PostgreSQL.
+sqlite://path): migrate, status, replay, purge and dead-letters work on both, with the same
+output; positions and http purge need PostgreSQL.
 
 Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
 -> start the consumers (they start from the database positions replay set).

@@ -471,3 +471,155 @@ async fn completions_for_bash_zsh_and_fish() {
     let bad = txinbox("postgres://unused", None, &["completions", "powershell"]).await;
     assert_eq!(bad.code, 2);
 }
+
+/// Counts each application in `effects` (a table of the SQLite test file), inside the inbox
+/// transaction.
+struct CountEffects;
+
+#[txinbox::async_trait]
+impl txinbox::Handler<txinbox::sqlx::Sqlite> for CountEffects {
+    async fn handle(
+        &self,
+        cx: &mut txinbox::Context<'_, txinbox::sqlx::Sqlite>,
+        _msg: &txinbox::Message,
+    ) -> Result<(), txinbox::HandlerError> {
+        let id = cx.message_id().as_str().to_owned();
+        txinbox::sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+            .bind(id)
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+}
+
+/// A txinbox consumer on the Kafka adapter with the SQLite inbox, until `stop` is sent.
+fn run_sqlite_consumer(
+    db: &SqliteDb,
+    brokers: &str,
+    topic: &str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), txinbox::Error>>,
+) {
+    let config = txinbox_kafka::KafkaConfig::new(brokers, CONSUMER, CONSUMER)
+        .topic(topic)
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .set("auto.offset.reset", "earliest")
+        .revoke_timeout(std::time::Duration::from_secs(5))
+        .close_timeout(std::time::Duration::from_secs(15));
+    let inbox = txinbox::SqliteInbox::new(db.pool.clone());
+    let source = txinbox_kafka::KafkaSource::new(config, inbox.clone()).expect("kafka source");
+    let consumer = txinbox::Consumer::builder(CONSUMER)
+        .source(source)
+        .inbox(inbox)
+        .handler(CountEffects)
+        .concurrency(2)
+        .build()
+        .expect("consumer");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    (stop, task)
+}
+
+async fn wait_sqlite(db: &SqliteDb, sql: &str, n: i64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let got = db.scalar(sql).await;
+        if got >= n {
+            assert_eq!(got, n, "{sql}");
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{sql}: {got} of {n} within 60 s"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replay_on_sqlite_moves_the_stored_position_and_applies_nothing_twice() {
+    let Some(brokers) = brokers() else { return };
+    let topic = create_topic(&brokers, 1).await;
+    let db = SqliteDb::new().await;
+    db.exec("CREATE TABLE effects (message_id TEXT NOT NULL)").await;
+    Producer::new(&brokers).deposits(&topic, 0, "r", 8).await;
+
+    let (stop, task) = run_sqlite_consumer(&db, &brokers, &topic);
+    wait_sqlite(&db, "SELECT count(*) FROM effects", 8).await;
+    let _ = stop.send(());
+    task.await.unwrap().expect("consumer ran");
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'")
+            .await,
+        8
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox_subscriptions").await,
+        1,
+        "the Kafka source recorded its group in the SQLite file"
+    );
+
+    let args = [
+        "--json",
+        "replay",
+        "--consumer",
+        CONSUMER,
+        "--topic",
+        &topic,
+        "--to-earliest",
+    ];
+    let dry = txinbox(&db.url, Some(&brokers), &[&args[..], &["--dry-run"]].concat()).await;
+    let dry = dry.ok();
+    assert_eq!(dry["applied"], 8, "{dry:#}");
+    assert_eq!(dry["new"], 0, "{dry:#}");
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'")
+            .await,
+        8,
+        "a dry run changes nothing"
+    );
+
+    let done = txinbox(&db.url, Some(&brokers), &args).await.ok();
+    assert_eq!(done["database_positions_set"], true, "{done:#}");
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'")
+            .await,
+        0
+    );
+
+    // The consumer re-reads all 8 from the database position: all duplicates, no new effect.
+    let (stop, task) = run_sqlite_consumer(&db, &brokers, &topic);
+    wait_sqlite(&db, "SELECT coalesce(sum(duplicates), 0) FROM txinbox_inbox", 8).await;
+    let _ = stop.send(());
+    task.await.unwrap().expect("consumer ran");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM effects").await,
+        8,
+        "nothing applied twice"
+    );
+
+    // After a purge up to now, replay refuses a range before the horizon, as on PostgreSQL.
+    let purged = txinbox(
+        &db.url,
+        None,
+        &[
+            "--json",
+            "purge",
+            "--consumer",
+            CONSUMER,
+            "--older-than",
+            "0s",
+            "--force",
+            "--yes",
+        ],
+    )
+    .await;
+    assert_eq!(purged.ok()["consumers"][0]["deleted"], 8, "{purged:?}");
+    let refused = txinbox(&db.url, Some(&brokers), &args).await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("horizon"), "{refused:?}");
+}
