@@ -40,8 +40,7 @@ Exit codes:
   3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
 
 The database is PostgreSQL (postgres://...) or the embedded SQLite store (sqlite:path or
-sqlite://path): migrate, status, replay, purge and dead-letters work on both, with the same
-output; positions and http purge need PostgreSQL.
+sqlite://path): every command works on both, with the same output and exit codes.
 
 Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
 -> start the consumers (they start from the database positions replay set).
@@ -419,16 +418,6 @@ impl Env {
             return sqlite(url, migrating).await.map(Store::Sqlite);
         }
         self.postgres(url, migrating).await.map(Store::Postgres)
-    }
-
-    /// [`db`](Self::db) for commands that exist only on PostgreSQL; `what` names the command.
-    async fn pg(&self, what: &str) -> Result<PgPool, CliError> {
-        match self.db(false).await? {
-            Store::Postgres(pool) => Ok(pool),
-            Store::Sqlite(_) => Err(CliError::failed(format!(
-                "`txinbox {what}` works on PostgreSQL only, not on the embedded SQLite store (pass a postgres:// --database-url)"
-            ))),
-        }
     }
 
     async fn postgres(&self, url: &str, migrating: bool) -> Result<PgPool, CliError> {

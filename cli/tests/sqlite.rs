@@ -1,7 +1,7 @@
 //! The `txinbox` binary on the embedded SQLite store (`--database-url sqlite:path`), against a
 //! real SQLite file, next to the same data in a real PostgreSQL database (`DATABASE_URL`): the
-//! same commands give the same JSON and the same exit codes on both. The requeue test also
-//! needs a Kafka-protocol broker (`KAFKA_BROKERS`); without it, it says so and passes, except
+//! same commands give the same JSON and the same exit codes on both. The requeue, replay and
+//! positions tests also need a Kafka-protocol broker (`KAFKA_BROKERS`); without it, it says so and passes, except
 //! under `CI`.
 
 mod support;
@@ -430,7 +430,7 @@ async fn requeue_on_sqlite_republishes_to_kafka_and_reopens_the_row() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn sqlite_urls_migrate_and_postgres_only_commands_say_so() {
+async fn sqlite_urls_migrate_and_http_purge_works() {
     let dir = std::env::temp_dir().join(format!("txinbox-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("new.db");
@@ -448,14 +448,30 @@ async fn sqlite_urls_migrate_and_postgres_only_commands_say_so() {
     let again = txinbox(&format!("sqlite:{}", file.display()), None, &["migrate"]).await;
     assert_eq!(again.code, 0, "migrate is idempotent: {again:?}");
 
-    for args in [
-        &["positions", "show", "--consumer", "svc"][..],
-        &["http", "purge", "--yes"][..],
-    ] {
-        let r = txinbox(&url, None, args).await;
-        assert_eq!(r.code, 1, "{args:?}: {r:?}");
-        assert!(r.stderr.contains("PostgreSQL only"), "{args:?}: {}", r.stderr);
-    }
+    // http purge: only expired Idempotency-Key records go.
+    let db = SqliteDb::new().await;
+    db.exec(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 5)
+         INSERT INTO txinbox_http_idempotency (principal, route, idempotency_key, fingerprint, status, body, body_size, expires_at)
+         SELECT 'tenant-a', '/payments', 'k-' || i, zeroblob(32), 201, CAST('ok' AS BLOB), 2,
+                CAST(unixepoch('subsec') * 1000 AS INTEGER) + CASE WHEN i <= 3 THEN -3600000 ELSE 86400000 END
+         FROM n",
+    )
+    .await;
+    let dry = txinbox(&db.url, None, &["--json", "http", "purge", "--dry-run"])
+        .await
+        .ok();
+    assert_eq!(dry["expired"], 3, "{dry}");
+    let unconfirmed = txinbox(&db.url, None, &["http", "purge"]).await;
+    assert_eq!(unconfirmed.code, 1, "{unconfirmed:?}");
+    let done = txinbox(&db.url, None, &["--json", "http", "purge", "--yes"])
+        .await
+        .ok();
+    assert_eq!(done["deleted"], 3, "{done}");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox_http_idempotency").await,
+        2
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -622,4 +638,94 @@ async fn replay_on_sqlite_moves_the_stored_position_and_applies_nothing_twice() 
     let refused = txinbox(&db.url, Some(&brokers), &args).await;
     assert_eq!(refused.code, 1, "{refused:?}");
     assert!(refused.stderr.contains("horizon"), "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn positions_on_sqlite_show_adopt_set_and_rebind() {
+    let Some(brokers) = brokers() else { return };
+    let topic = create_topic(&brokers, 2).await;
+    let db = SqliteDb::new().await;
+    let producer = Producer::new(&brokers);
+    producer.deposits(&topic, 0, "a", 5).await;
+    producer.deposits(&topic, 1, "b", 3).await;
+    // A restored database: the group has committed offsets, the file has no positions.
+    commit_group(&brokers, "grp", &topic, &[(0, 4), (1, 3)]);
+    db.exec(&format!(
+        "INSERT INTO txinbox_subscriptions (consumer, source_system, source, subscription)
+         VALUES ('{CONSUMER}', 'kafka', '{topic}', 'grp')"
+    ))
+    .await;
+    let run = |args: Vec<&str>| {
+        let (url, brokers) = (db.url.clone(), brokers.clone());
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            txinbox(&url, Some(&brokers), &args).await
+        }
+    };
+    let target = ["--consumer", CONSUMER, "--topic", topic.as_str()];
+
+    let shown = run([&["--json", "positions", "show"][..], &target[..]].concat())
+        .await
+        .ok();
+    let statuses: Vec<&str> = shown["partitions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{shown:#}"))
+        .iter()
+        .map(|p| p["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["missing-in-db", "missing-in-db"], "{shown:#}");
+
+    // Without --yes and no terminal: refused, nothing written.
+    let unconfirmed = run([&["positions", "adopt"][..], &target[..]].concat()).await;
+    assert_eq!(unconfirmed.code, 1, "{unconfirmed:?}");
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox_positions").await, 0);
+    let adopted = run([&["--json", "positions", "adopt", "--yes"][..], &target[..]].concat()).await;
+    adopted.ok();
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'")
+            .await,
+        4
+    );
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '1'")
+            .await,
+        3
+    );
+
+    let set = run([
+        &[
+            "--json",
+            "positions",
+            "set",
+            "--offset",
+            "2",
+            "--partition",
+            "0",
+            "--yes",
+            "--force",
+        ][..],
+        &target[..],
+    ]
+    .concat())
+    .await;
+    set.ok();
+    assert_eq!(
+        db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'")
+            .await,
+        2
+    );
+
+    let rebound = run([
+        &["--json", "positions", "rebind", "--group", "grp2", "--yes"][..],
+        &target[..],
+    ]
+    .concat())
+    .await;
+    assert_eq!(rebound.ok()["previous_group"], "grp");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox_subscriptions WHERE subscription = 'grp2'")
+            .await,
+        1
+    );
 }
