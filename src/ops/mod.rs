@@ -1,5 +1,5 @@
-//! Operations on an inbox: status, positions, retention and dead letters, on PostgreSQL and
-//! (status, retention, dead letters, replay) on the embedded SQLite store.
+//! Operations on an inbox: status, positions, retention and dead letters, on PostgreSQL and on
+//! the embedded SQLite store.
 //!
 //! These are the queries behind the `txinbox` command-line tool (package `txinbox-cli`), as a
 //! small public API so they can be tested and used from code. Everything here works on a plain
@@ -30,8 +30,8 @@ use std::str::FromStr;
 /// The database the operations run on: PostgreSQL (schema `txinbox`, `timestamptz` times) or
 /// the embedded SQLite store (tables `txinbox_…`, INTEGER epoch-millisecond times). Both hold
 /// the same tables with the same columns, so one query text serves both wherever the
-/// dialects agree; [`Db::table`], [`Db::ms`], [`Db::at_ms`] and [`Db::now_ms`] spell what
-/// differs. Built from a `&PgPool` or a `&SqlitePool` with `.into()`.
+/// dialects agree; [`Db::table`] and a few crate-private helpers (times as epoch
+/// milliseconds, the clock) spell what differs. Built from a `&PgPool` or a `&SqlitePool` with `.into()`.
 #[derive(Debug, Clone, Copy)]
 pub enum Db<'a> {
     /// PostgreSQL, [migrated](crate::migrate).
