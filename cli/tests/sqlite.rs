@@ -441,6 +441,12 @@ async fn sqlite_urls_migrate_and_http_purge_works() {
     let missing = txinbox(&url, None, &["status"]).await;
     assert_eq!(missing.code, 3, "{missing:?}");
     assert!(!file.exists());
+    // An existing file without the txinbox tables: refused, and told to migrate.
+    std::fs::File::create(&file).unwrap();
+    let bare = txinbox(&url, None, &["--json", "dead-letters", "list"]).await;
+    assert_eq!(bare.code, 1, "{bare:?}");
+    assert!(bare.stderr.contains("run `txinbox migrate`"), "{bare:?}");
+    assert_eq!(bare.json()["exit_code"], 1);
     let migrated = txinbox(&url, None, &["--json", "migrate"]).await;
     assert_eq!(migrated.ok()["migrated"], true);
     let empty = txinbox(&url, None, &["--json", "status"]).await;
