@@ -10,7 +10,7 @@ pub mod exit {
     pub const FAILED: i32 = 1;
     /// Bad arguments (also clap's code for usage errors).
     pub const BAD_ARGS: i32 = 2;
-    /// A service (PostgreSQL, Kafka) could not be reached.
+    /// A service (PostgreSQL, the SQLite file, Kafka, RabbitMQ) could not be reached.
     pub const UNREACHABLE: i32 = 3;
 }
 
@@ -75,12 +75,17 @@ pub fn db(context: &str) -> impl FnOnce(txinbox::sqlx::Error) -> CliError + '_ {
         use txinbox::sqlx::Error;
         match &e {
             Error::Io(_) | Error::PoolTimedOut | Error::PoolClosed | Error::Tls(_) => CliError::Unreachable {
-                service: "PostgreSQL".into(),
+                service: "the database".into(),
                 detail: format!("{context}: {e}"),
             },
-            Error::Database(d) if d.code().as_deref() == Some("42P01") => CliError::failed(format!(
-                "{context}: {e}. The txinbox tables are missing or older than this tool: run `txinbox migrate`"
-            )),
+            // PostgreSQL's undefined_table; SQLite has no code of its own for it.
+            Error::Database(d)
+                if d.code().as_deref() == Some("42P01") || d.message().starts_with("no such table") =>
+            {
+                CliError::failed(format!(
+                    "{context}: {e}. The txinbox tables are missing or older than this tool: run `txinbox migrate`"
+                ))
+            }
             _ => CliError::failed(format!("{context}: {e}")),
         }
     }

@@ -1,7 +1,7 @@
 //! `txinbox`: operate a txinbox deployment without writing SQL.
 //!
 //! Subcommands: `migrate`, `status`, `replay`, `positions show|adopt|set|rebind`, `purge`,
-//! `dead-letters list|show|requeue|discard`.
+//! `dead-letters list|show|requeue|discard`, `completions bash|zsh|fish`.
 //! Every subcommand takes `--json`. See `txinbox --help` and the README's Operations section.
 
 #[cfg(feature = "amqp")]
@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use txinbox::ops::Db;
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use txinbox::sqlx::{ConnectOptions as _, Connection as _};
 use txinbox::{Fingerprint, IdStrategy};
 
@@ -35,7 +37,10 @@ Exit codes:
   0  done
   1  the operation failed or was refused (the message says why and what to do)
   2  bad arguments
-  3  a service (PostgreSQL, Kafka) could not be reached
+  3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
+
+The database is PostgreSQL (postgres://...) or the embedded SQLite store (sqlite:path or
+sqlite://path): every command works on both, with the same output and exit codes.
 
 Replay procedure: stop the consumers -> `txinbox replay ... --dry-run` -> `txinbox replay ...`
 -> start the consumers (they start from the database positions replay set).
@@ -57,7 +62,8 @@ struct Cli {
     /// Print machine-readable JSON on stdout (errors too, as {"error": ..., "exit_code": ...}).
     #[arg(long, global = true)]
     json: bool,
-    /// PostgreSQL holding the inbox.
+    /// The database holding the inbox: postgres://user@host:port/database, or the embedded
+    /// store's file as sqlite:path or sqlite://path.
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Kafka bootstrap servers (host:port,...), for status, replay, positions and Kafka
@@ -96,6 +102,20 @@ enum Command {
     /// HTTP Idempotency-Key records (txinbox-http).
     #[command(subcommand)]
     Http(HttpCommand),
+    /// Print a shell completion script: `txinbox completions bash > /etc/bash_completion.d/txinbox`,
+    /// `txinbox completions zsh > "${fpath[1]}/_txinbox"`,
+    /// `txinbox completions fish > ~/.config/fish/completions/txinbox.fish`.
+    Completions {
+        /// The shell.
+        shell: CompletionShell,
+    },
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum CompletionShell {
+    Bash,
+    Zsh,
+    Fish,
 }
 
 #[derive(Debug, Subcommand)]
@@ -387,14 +407,23 @@ pub(crate) struct Env {
 }
 
 impl Env {
-    /// Connects to PostgreSQL (and checks that the txinbox tables exist unless `migrating`).
-    async fn db(&self, migrating: bool) -> Result<PgPool, CliError> {
+    /// Connects to the database `--database-url` names, by its scheme: PostgreSQL
+    /// (`postgres://`) or the embedded SQLite store (`sqlite:path`, `sqlite://path`), and checks
+    /// that the txinbox tables exist unless `migrating`.
+    async fn db(&self, migrating: bool) -> Result<Store, CliError> {
         let url = self.database_url.as_deref().ok_or_else(|| {
             CliError::BadArgs("no database: pass --database-url or set DATABASE_URL".into())
         })?;
+        if url.starts_with("sqlite:") {
+            return sqlite(url, migrating).await.map(Store::Sqlite);
+        }
+        self.postgres(url, migrating).await.map(Store::Postgres)
+    }
+
+    async fn postgres(&self, url: &str, migrating: bool) -> Result<PgPool, CliError> {
         let options: PgConnectOptions = url.parse().map_err(|_| {
             CliError::BadArgs(
-                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database"
+                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database or sqlite:path"
                     .into(),
             )
         })?;
@@ -480,8 +509,74 @@ impl Env {
     }
 }
 
+/// The database the inbox is in.
+pub(crate) enum Store {
+    Postgres(PgPool),
+    Sqlite(SqlitePool),
+}
+
+impl Store {
+    /// What the operations in `txinbox::ops` run on.
+    pub(crate) fn ops(&self) -> Db<'_> {
+        match self {
+            Store::Postgres(pool) => pool.into(),
+            Store::Sqlite(pool) => pool.into(),
+        }
+    }
+
+    /// How a table is called in this store, for messages (`txinbox.inbox`, `txinbox_inbox`).
+    pub(crate) fn table(&self, name: &str) -> String {
+        self.ops().table(name)
+    }
+}
+
+/// Opens the SQLite database file of `url` (`sqlite:path`, `sqlite://path`; created only when
+/// `migrating`) with the store's settings, and checks its txinbox tables unless `migrating`.
+async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
+    let options: SqliteConnectOptions = url.parse().map_err(|e| {
+        CliError::BadArgs(format!(
+            "--database-url / DATABASE_URL does not parse as a SQLite URL ({e}); expected sqlite:path or sqlite://path"
+        ))
+    })?;
+    let service = format!("SQLite database {}", options.get_filename().display());
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(txinbox::SqliteInbox::connect_options(options.create_if_missing(migrating)))
+        .await
+        .map_err(|e| CliError::Unreachable {
+            service,
+            detail: format!("{e} (check --database-url / DATABASE_URL: the file must exist; `txinbox migrate` creates it)"),
+        })?;
+    if !migrating {
+        let ready: bool = txinbox::sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'txinbox_retention')",
+        )
+        .fetch_one(&pool)
+        .await
+        .map_err(error::db("checking the txinbox tables"))?;
+        if !ready {
+            return Err(CliError::failed(
+                "the txinbox tables are missing or older than this tool: run `txinbox migrate` first",
+            ));
+        }
+    }
+    Ok(pool)
+}
+
 fn main() {
     let cli = Cli::parse();
+    if let Command::Completions { shell } = cli.command {
+        use clap::CommandFactory as _;
+        use clap_complete::Shell;
+        let shell = match shell {
+            CompletionShell::Bash => Shell::Bash,
+            CompletionShell::Zsh => Shell::Zsh,
+            CompletionShell::Fish => Shell::Fish,
+        };
+        clap_complete::generate(shell, &mut Cli::command(), "txinbox", &mut std::io::stdout());
+        return;
+    }
     let env = Env {
         json: cli.json,
         database_url: cli.database_url,
@@ -522,10 +617,11 @@ fn main() {
 async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
     match command {
         Command::Migrate => {
-            let pool = env.db(true).await?;
-            txinbox::migrate(&pool)
-                .await
-                .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
+            match env.db(true).await? {
+                Store::Postgres(pool) => txinbox::migrate(&pool).await,
+                Store::Sqlite(pool) => txinbox::migrate_sqlite(&pool).await,
+            }
+            .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
             Ok(Report::ok(
                 serde_json::json!({ "migrated": true }),
                 "txinbox migrations applied\n".into(),
@@ -543,6 +639,7 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
         Command::Http(HttpCommand::Purge(a)) => commands::http::purge(env, a).await,
+        Command::Completions { .. } => unreachable!("printed before the runtime starts"),
     }
 }
 

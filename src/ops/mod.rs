@@ -1,9 +1,11 @@
-//! Operations on a PostgreSQL inbox: status, positions, retention and dead letters.
+//! Operations on an inbox: status, positions, retention and dead letters, on PostgreSQL and on
+//! the embedded SQLite store.
 //!
 //! These are the queries behind the `txinbox` command-line tool (package `txinbox-cli`), as a
 //! small public API so they can be tested and used from code. Everything here works on a plain
-//! [`PgPool`](sqlx::PgPool) whose database has been [migrated](crate::migrate); nothing here
-//! talks to a broker.
+//! [`PgPool`](sqlx::PgPool) whose database has been [migrated](crate::migrate), and what takes
+//! a [`Db`] also on a [`SqlitePool`](sqlx::SqlitePool) migrated with `migrate_sqlite`;
+//! nothing here talks to a broker.
 //!
 //! | module | what |
 //! |---|---|
@@ -25,13 +27,94 @@ pub mod status;
 use std::fmt;
 use std::str::FromStr;
 
-/// SQL expression turning the `timestamptz` expression `$e` into epoch milliseconds.
-macro_rules! ms {
-    ($e:literal) => {
-        concat!("(extract(epoch FROM ", $e, ") * 1000)::bigint")
+/// The database the operations run on: PostgreSQL (schema `txinbox`, `timestamptz` times) or
+/// the embedded SQLite store (tables `txinbox_…`, INTEGER epoch-millisecond times). Both hold
+/// the same tables with the same columns, so one query text serves both wherever the
+/// dialects agree; [`Db::table`] and a few crate-private helpers (times as epoch
+/// milliseconds, the clock) spell what differs. Built from a `&PgPool` or a `&SqlitePool` with `.into()`.
+#[derive(Debug, Clone, Copy)]
+pub enum Db<'a> {
+    /// PostgreSQL, [migrated](crate::migrate).
+    Postgres(&'a sqlx::PgPool),
+    /// SQLite, [migrated](crate::migrate_sqlite).
+    #[cfg(feature = "sqlite")]
+    Sqlite(&'a sqlx::SqlitePool),
+}
+
+impl<'a> From<&'a sqlx::PgPool> for Db<'a> {
+    fn from(pool: &'a sqlx::PgPool) -> Self {
+        Db::Postgres(pool)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl<'a> From<&'a sqlx::SqlitePool> for Db<'a> {
+    fn from(pool: &'a sqlx::SqlitePool) -> Self {
+        Db::Sqlite(pool)
+    }
+}
+
+impl Db<'_> {
+    /// The full name of txinbox table `name` (`inbox` → `txinbox.inbox` or `txinbox_inbox`).
+    pub fn table(self, name: &str) -> String {
+        match self {
+            Db::Postgres(_) => format!("txinbox.{name}"),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => format!("txinbox_{name}"),
+        }
+    }
+
+    /// A time expression (a column, an aggregate of one) as epoch milliseconds.
+    pub(crate) fn ms(self, e: &str) -> String {
+        match self {
+            Db::Postgres(_) => format!("CAST(extract(epoch FROM {e}) * 1000 AS bigint)"),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => e.to_owned(),
+        }
+    }
+
+    /// A time from the epoch milliseconds in parameter `p` (bound as `i64`), comparable with
+    /// the time columns.
+    pub(crate) fn at_ms(self, p: &str) -> String {
+        match self {
+            Db::Postgres(_) => format!("to_timestamp(CAST({p} AS float8) / 1000)"),
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => p.to_owned(),
+        }
+    }
+
+    /// The database's clock, as the time columns store it.
+    pub(crate) fn now(self) -> &'static str {
+        match self {
+            Db::Postgres(_) => "now()",
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(_) => "CAST(unixepoch('subsec') * 1000 AS INTEGER)",
+        }
+    }
+
+    /// The database's clock in epoch milliseconds.
+    pub(crate) fn now_ms(self) -> String {
+        self.ms(self.now())
+    }
+
+    /// Whether this is the embedded SQLite store.
+    pub fn is_sqlite(self) -> bool {
+        !matches!(self, Db::Postgres(_))
+    }
+}
+
+/// Runs `$body` with `$pool` bound to the pool of `$db`, compiled once per backend: one query
+/// text and one chain of binds serve both databases.
+macro_rules! on_db {
+    ($db:expr, $pool:ident => $body:expr) => {
+        match $db {
+            $crate::ops::Db::Postgres($pool) => $body,
+            #[cfg(feature = "sqlite")]
+            $crate::ops::Db::Sqlite($pool) => $body,
+        }
     };
 }
-pub(crate) use ms;
+pub(crate) use on_db;
 
 /// A point in time: milliseconds since the Unix epoch, UTC. Displays as RFC 3339
 /// (`2026-11-21T07:08:24.123Z`); parses from RFC 3339 (with `Z` or an offset) or from a number

@@ -19,46 +19,54 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use sqlx::PgPool;
-
-use super::Timestamp;
+use super::{on_db, Db, Timestamp};
 
 /// The `source_system` under which a Kafka source records its subscription.
 pub const KAFKA: &str = "kafka";
 
 /// The subscription (Kafka: consumer group) recorded for `consumer` reading `source` of
 /// `system`, if any.
-pub async fn subscription(
-    pool: &PgPool,
+pub async fn subscription<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     system: &str,
     source: &str,
 ) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT subscription FROM txinbox.subscriptions
+    let db = db.into();
+    let sql = format!(
+        "SELECT subscription FROM {}
          WHERE consumer = $1 AND source_system = $2 AND source = $3",
-    )
-    .bind(consumer)
-    .bind(system)
-    .bind(source)
-    .fetch_optional(pool)
-    .await
+        db.table("subscriptions")
+    );
+    on_db!(db, pool => {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .fetch_optional(pool)
+            .await
+    })
 }
 
 /// The sources of `system` that `consumer` has a recorded subscription for, with it, by source.
-pub async fn subscriptions(
-    pool: &PgPool,
+pub async fn subscriptions<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     system: &str,
 ) -> Result<BTreeMap<String, String>, sqlx::Error> {
-    let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT source, subscription FROM txinbox.subscriptions
+    let db = db.into();
+    let sql = format!(
+        "SELECT source, subscription FROM {}
          WHERE consumer = $1 AND source_system = $2 ORDER BY source",
-    )
-    .bind(consumer)
-    .bind(system)
-    .fetch_all(pool)
-    .await?;
+        db.table("subscriptions")
+    );
+    let rows: Vec<(String, String)> = on_db!(db, pool => {
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(system)
+            .fetch_all(pool)
+            .await?
+    });
     Ok(rows.into_iter().collect())
 }
 
@@ -67,37 +75,46 @@ pub async fn subscriptions(
 ///
 /// A running source that reads through the old group refuses to go on once it sees the new one
 /// recorded: stop the consumers first, rebind, start them with the new group.
-pub async fn rebind(
-    pool: &PgPool,
+pub async fn rebind<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     system: &str,
     source: &str,
     subscription: &str,
 ) -> Result<Option<String>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let before: Option<String> = sqlx::query_scalar(
-        "SELECT subscription FROM txinbox.subscriptions
-         WHERE consumer = $1 AND source_system = $2 AND source = $3 FOR UPDATE",
-    )
-    .bind(consumer)
-    .bind(system)
-    .bind(source)
-    .fetch_optional(&mut *tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO txinbox.subscriptions (consumer, source_system, source, subscription)
+    let db = db.into();
+    let table = db.table("subscriptions");
+    let lock = if db.is_sqlite() { "" } else { " FOR UPDATE" };
+    let read = format!(
+        "SELECT subscription FROM {table}
+         WHERE consumer = $1 AND source_system = $2 AND source = $3{lock}"
+    );
+    let write = format!(
+        "INSERT INTO {table} (consumer, source_system, source, subscription)
          VALUES ($1, $2, $3, $4)
          ON CONFLICT (consumer, source_system, source) DO UPDATE
-             SET subscription = EXCLUDED.subscription, first_seen_at = now(), last_seen_at = now()",
-    )
-    .bind(consumer)
-    .bind(system)
-    .bind(source)
-    .bind(subscription)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(before)
+             SET subscription = EXCLUDED.subscription, first_seen_at = {now}, last_seen_at = {now}",
+        now = db.now()
+    );
+    // SQLite: BEGIN IMMEDIATE takes the write lock before the read, as FOR UPDATE does.
+    on_db!(db, pool => {
+        let mut tx = if db.is_sqlite() { pool.begin_with("BEGIN IMMEDIATE").await? } else { pool.begin().await? };
+        let before: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(read))
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .fetch_optional(&mut *tx)
+            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(write))
+            .bind(consumer)
+            .bind(system)
+            .bind(source)
+            .bind(subscription)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(before)
+    })
 }
 
 /// Why no group could be settled on: see [`resolve_group`].
@@ -332,77 +349,93 @@ pub enum Applied {
 /// stored position is still its [`Change::from`], and only if the retention horizon is still
 /// `checked_horizon` (read under the lock a purge takes to record it, as
 /// [`set_positions`](super::replay::set_positions) does). Anything else writes nothing.
-pub async fn apply(
-    pool: &PgPool,
+pub async fn apply<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     source: &str,
     changes: &[Change],
     checked_horizon: Option<Timestamp>,
 ) -> Result<Applied, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query(super::retention::HORIZON_LOCK)
-        .bind(consumer)
-        .execute(&mut *tx)
-        .await?;
-    let horizon: Option<i64> = sqlx::query_scalar(super::retention::HORIZON)
-        .bind(consumer)
-        .fetch_optional(&mut *tx)
-        .await?;
-    if horizon.map(Timestamp) != checked_horizon {
-        tx.rollback().await?;
-        return Ok(Applied::HorizonMoved);
-    }
-    for c in changes {
-        let lane = c.partition.to_string();
-        let written = match c.from {
-            None => sqlx::query(
-                "INSERT INTO txinbox.positions (consumer, source, lane, next_position)
-                 VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, source, lane) DO NOTHING",
-            )
+    let db = db.into();
+    let positions = db.table("positions");
+    let horizon_sql = super::retention::horizon_sql(db);
+    let insert = format!(
+        "INSERT INTO {positions} (consumer, source, lane, next_position)
+         VALUES ($1, $2, $3, $4) ON CONFLICT (consumer, source, lane) DO NOTHING"
+    );
+    let update = format!(
+        "UPDATE {positions} SET next_position = $4, updated_at = {}
+         WHERE consumer = $1 AND source = $2 AND lane = $3 AND next_position = $5",
+        db.now()
+    );
+    let read =
+        format!("SELECT next_position FROM {positions} WHERE consumer = $1 AND source = $2 AND lane = $3");
+    on_db!(db, pool => {
+        // The horizon is read under the lock a purge takes to record it: PostgreSQL's advisory
+        // lock, SQLite's write lock (BEGIN IMMEDIATE).
+        let mut tx = if db.is_sqlite() { pool.begin_with("BEGIN IMMEDIATE").await? } else { pool.begin().await? };
+        if !db.is_sqlite() {
+            sqlx::query(super::retention::HORIZON_LOCK)
+                .bind(consumer)
+                .execute(&mut *tx)
+                .await?;
+        }
+        let horizon: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(horizon_sql))
             .bind(consumer)
-            .bind(source)
-            .bind(&lane)
-            .bind(c.to)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected(),
-            Some(from) => sqlx::query(
-                "UPDATE txinbox.positions SET next_position = $4, updated_at = now()
-                 WHERE consumer = $1 AND source = $2 AND lane = $3 AND next_position = $5",
-            )
-            .bind(consumer)
-            .bind(source)
-            .bind(&lane)
-            .bind(c.to)
-            .bind(from)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected(),
-        };
-        if written != 1 {
-            let now: Option<i64> = sqlx::query_scalar(
-                "SELECT next_position FROM txinbox.positions WHERE consumer = $1 AND source = $2 AND lane = $3",
-            )
-            .bind(consumer)
-            .bind(source)
-            .bind(&lane)
             .fetch_optional(&mut *tx)
             .await?;
+        if horizon.map(Timestamp) != checked_horizon {
             tx.rollback().await?;
-            return Ok(Applied::Changed {
-                partition: c.partition,
-                now,
-            });
+            return Ok(Applied::HorizonMoved);
         }
-    }
-    tx.commit().await?;
-    Ok(Applied::Done)
+        for c in changes {
+            let lane = c.partition.to_string();
+            let written = match c.from {
+                None => sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+                    .bind(consumer)
+                    .bind(source)
+                    .bind(&lane)
+                    .bind(c.to)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected(),
+                Some(from) => sqlx::query(sqlx::AssertSqlSafe(update.clone()))
+                    .bind(consumer)
+                    .bind(source)
+                    .bind(&lane)
+                    .bind(c.to)
+                    .bind(from)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected(),
+            };
+            if written != 1 {
+                let now: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(read))
+                    .bind(consumer)
+                    .bind(source)
+                    .bind(&lane)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                tx.rollback().await?;
+                return Ok(Applied::Changed {
+                    partition: c.partition,
+                    now,
+                });
+            }
+        }
+        tx.commit().await?;
+        Ok(Applied::Done)
+    })
 }
 
 /// `consumer`'s stored positions in `source`, by partition (lanes that are not partition
 /// numbers are left out).
-pub async fn stored(pool: &PgPool, consumer: &str, source: &str) -> Result<BTreeMap<i32, i64>, sqlx::Error> {
-    Ok(super::status::positions(pool, Some(consumer), Some(source))
+pub async fn stored<'a>(
+    db: impl Into<Db<'a>>,
+    consumer: &str,
+    source: &str,
+) -> Result<BTreeMap<i32, i64>, sqlx::Error> {
+    Ok(super::status::positions(db, Some(consumer), Some(source))
         .await?
         .into_iter()
         .filter_map(|p| Some((p.lane.parse().ok()?, p.next_position)))

@@ -7,9 +7,7 @@
 
 use std::collections::HashMap;
 
-use sqlx::PgPool;
-
-use super::Timestamp;
+use super::{on_db, Db, Timestamp};
 use crate::store::InboxStatus;
 
 /// What the consumer will do with one replayed message, judged from the inbox.
@@ -69,36 +67,61 @@ pub struct InboxRow {
 /// `consumer` derives IDs with: `None` if one of its inbox rows carries that label or it has no
 /// rows; otherwise `Some` label its rows do carry. A dry run with another strategy compares IDs
 /// the consumer never stored.
-pub async fn other_strategy(
-    pool: &PgPool,
+pub async fn other_strategy<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     strategy: &str,
 ) -> Result<Option<String>, sqlx::Error> {
-    let (matching, any): (Option<String>, Option<String>) = sqlx::query_as(
-        "SELECT (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 AND id_strategy = $2 LIMIT 1),
-                (SELECT id_strategy FROM txinbox.inbox WHERE consumer = $1 LIMIT 1)",
-    )
-    .bind(consumer)
-    .bind(strategy)
-    .fetch_one(pool)
-    .await?;
+    let db = db.into();
+    let inbox = db.table("inbox");
+    let sql = format!(
+        "SELECT (SELECT id_strategy FROM {inbox} WHERE consumer = $1 AND id_strategy = $2 LIMIT 1),
+                (SELECT id_strategy FROM {inbox} WHERE consumer = $1 LIMIT 1)"
+    );
+    let (matching, any): (Option<String>, Option<String>) = on_db!(db, pool => {
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(strategy)
+            .fetch_one(pool)
+            .await?
+    });
     Ok(if matching.is_some() { None } else { any })
 }
 
 /// The inbox rows of `consumer` for `ids`, by ID (IDs without a row are absent).
-pub async fn lookup(
-    pool: &PgPool,
+pub async fn lookup<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     ids: &[String],
 ) -> Result<HashMap<String, InboxRow>, sqlx::Error> {
-    let rows: Vec<(String, String, Vec<u8>)> = sqlx::query_as(
-        "SELECT message_id, status, fingerprint FROM txinbox.inbox
-         WHERE consumer = $1 AND message_id = ANY($2)",
-    )
-    .bind(consumer)
-    .bind(ids)
-    .fetch_all(pool)
-    .await?;
+    let db = db.into();
+    let sql = format!(
+        "SELECT message_id, status, fingerprint FROM {} WHERE consumer = $1 AND message_id {}",
+        db.table("inbox"),
+        // SQLite has no arrays: the IDs travel as one JSON array.
+        if db.is_sqlite() {
+            "IN (SELECT value FROM json_each($2))"
+        } else {
+            "= ANY($2)"
+        }
+    );
+    let rows: Vec<(String, String, Vec<u8>)> = match db {
+        Db::Postgres(pool) => {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(consumer)
+                .bind(ids)
+                .fetch_all(pool)
+                .await?
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(pool) => {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .bind(consumer)
+                .bind(serde_json::to_string(ids).expect("strings serialize"))
+                .fetch_all(pool)
+                .await?
+        }
+    };
     Ok(rows
         .into_iter()
         .filter_map(|(id, status, fingerprint)| {
@@ -117,40 +140,64 @@ pub async fn lookup(
 /// provided the retention horizon is still `checked_horizon`, the one the caller checked the
 /// replay range against. Returns `false`, changing nothing, when a purge has moved the horizon
 /// since (the range may have lost inbox rows: check again). The horizon is read under the lock
-/// [`record_horizon`](super::retention::record_horizon) takes, so a purge cannot slip between
-/// the check and the commit.
+/// [`record_horizon`](super::retention::record_horizon) takes (on SQLite: the write lock of a
+/// `BEGIN IMMEDIATE` transaction), so a purge cannot slip between the check and the commit.
 ///
 /// A consumer reads the positions when it is (re)assigned the lane; a running consumer
 /// overwrites them with its own progress, so move positions only while the consumer is stopped.
-pub async fn set_positions(
-    pool: &PgPool,
+pub async fn set_positions<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     source: &str,
     positions: &[(String, i64)],
     checked_horizon: Option<Timestamp>,
 ) -> Result<bool, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query(super::retention::HORIZON_LOCK)
-        .bind(consumer)
-        .execute(&mut *tx)
-        .await?;
-    let horizon: Option<i64> = sqlx::query_scalar(super::retention::HORIZON)
-        .bind(consumer)
-        .fetch_optional(&mut *tx)
-        .await?;
-    if horizon.map(Timestamp) != checked_horizon {
-        tx.rollback().await?;
-        return Ok(false);
+    let db = db.into();
+    let horizon_sql = super::retention::horizon_sql(db);
+    let save = format!(
+        "INSERT INTO {} (consumer, source, lane, next_position)
+         VALUES ($1, $2, $3, $4)
+         ON CONFLICT (consumer, source, lane) DO UPDATE
+             SET next_position = EXCLUDED.next_position, updated_at = {}",
+        db.table("positions"),
+        db.now()
+    );
+    macro_rules! run {
+        ($tx:ident) => {{
+            let horizon: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(horizon_sql))
+                .bind(consumer)
+                .fetch_optional(&mut *$tx)
+                .await?;
+            if horizon.map(Timestamp) != checked_horizon {
+                $tx.rollback().await?;
+                return Ok(false);
+            }
+            for (lane, next) in positions {
+                sqlx::query(sqlx::AssertSqlSafe(save.clone()))
+                    .bind(consumer)
+                    .bind(source)
+                    .bind(lane)
+                    .bind(next)
+                    .execute(&mut *$tx)
+                    .await?;
+            }
+            $tx.commit().await?;
+            Ok(true)
+        }};
     }
-    for (lane, next) in positions {
-        sqlx::query(crate::store::postgres::SAVE_POSITION)
-            .bind(consumer)
-            .bind(source)
-            .bind(lane)
-            .bind(next)
-            .execute(&mut *tx)
-            .await?;
+    match db {
+        Db::Postgres(pool) => {
+            let mut tx = pool.begin().await?;
+            sqlx::query(super::retention::HORIZON_LOCK)
+                .bind(consumer)
+                .execute(&mut *tx)
+                .await?;
+            run!(tx)
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(pool) => {
+            let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+            run!(tx)
+        }
     }
-    tx.commit().await?;
-    Ok(true)
 }

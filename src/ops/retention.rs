@@ -39,9 +39,7 @@
 
 use std::time::Duration;
 
-use sqlx::PgPool;
-
-use super::{ms, Timestamp};
+use super::{on_db, Db, Timestamp};
 
 /// Default purge window and the documented dedup window: 7 days (Kafka's default topic
 /// retention). `txinbox purge` refuses a shorter one unless `--force`.
@@ -60,112 +58,169 @@ pub struct PurgePlan {
 }
 
 /// Which rows of consumer `$1` a purge with cutoff `$2` (epoch milliseconds) may delete, as a
-/// condition on `i`, a `txinbox.inbox` row; see the [module docs](self).
-const PURGEABLE: &str = "i.consumer = $1 AND i.status <> 'retrying'
-    AND i.processed_at < to_timestamp($2::float8 / 1000)
-    AND NOT EXISTS (SELECT 1 FROM txinbox.positions p
+/// condition on `i`, an inbox row; see the [module docs](self).
+fn purgeable(db: Db<'_>) -> String {
+    format!(
+        "i.consumer = $1 AND i.status <> 'retrying'
+    AND i.processed_at < {}
+    AND NOT EXISTS (SELECT 1 FROM {} p
                     WHERE p.consumer = i.consumer AND p.source = i.destination
-                      AND p.lane = i.source_partition::text AND p.next_position <= i.source_offset)";
+                      AND p.lane = CAST(i.source_partition AS text) AND p.next_position <= i.source_offset)",
+        db.at_ms("$2"),
+        db.table("positions"),
+    )
+}
 
-/// Computes the cutoff (the database's `now()` minus `window`) and counts the rows it covers.
-pub async fn plan(pool: &PgPool, consumer: &str, window: Duration) -> Result<PurgePlan, sqlx::Error> {
-    let cutoff: i64 = sqlx::query_scalar(concat!(
-        "SELECT ",
-        ms!("now() - make_interval(secs => $1::float8)")
-    ))
-    .bind(window.as_secs_f64())
-    .fetch_one(pool)
-    .await?;
-    let sql = format!("SELECT count(*) FROM txinbox.inbox i WHERE {PURGEABLE}");
-    let candidates: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .bind(consumer)
-        .bind(cutoff as f64)
-        .fetch_one(pool)
-        .await?;
-    Ok(PurgePlan {
-        cutoff: Timestamp(cutoff),
-        candidates,
+/// Computes the cutoff (the database's clock minus `window`) and counts the rows it covers.
+pub async fn plan<'a>(
+    db: impl Into<Db<'a>>,
+    consumer: &str,
+    window: Duration,
+) -> Result<PurgePlan, sqlx::Error> {
+    let db = db.into();
+    let now = format!("SELECT {}", db.now_ms());
+    let count = format!(
+        "SELECT count(*) FROM {} i WHERE {}",
+        db.table("inbox"),
+        purgeable(db)
+    );
+    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+    on_db!(db, pool => {
+        let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(now)).fetch_one(pool).await?;
+        let cutoff = now.saturating_sub(window_ms);
+        let candidates: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count))
+            .bind(consumer)
+            .bind(cutoff)
+            .fetch_one(pool)
+            .await?;
+        Ok(PurgePlan {
+            cutoff: Timestamp(cutoff),
+            candidates,
+        })
     })
 }
 
-/// The transaction-scoped lock that orders a purge's horizon against a replay's positions.
+/// The transaction-scoped lock that orders a purge's horizon against a replay's positions
+/// (PostgreSQL; on SQLite, the write transaction begun with `BEGIN IMMEDIATE` is that lock).
 pub(crate) const HORIZON_LOCK: &str =
     "SELECT pg_advisory_xact_lock(hashtextextended('txinbox.retention/' || $1, 0))";
 
 /// Records that `consumer`'s inbox may have lost rows that became terminal before `cutoff`
 /// (never moves an existing horizon backwards). Call it before [`delete_batch`].
-pub async fn record_horizon(pool: &PgPool, consumer: &str, cutoff: Timestamp) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query(HORIZON_LOCK).bind(consumer).execute(&mut *tx).await?;
-    sqlx::query(
-        "INSERT INTO txinbox.retention (consumer, purged_before)
-         VALUES ($1, to_timestamp($2::float8 / 1000))
+pub async fn record_horizon<'a>(
+    db: impl Into<Db<'a>>,
+    consumer: &str,
+    cutoff: Timestamp,
+) -> Result<(), sqlx::Error> {
+    let db = db.into();
+    let table = db.table("retention");
+    let greatest = if db.is_sqlite() { "max" } else { "greatest" };
+    let upsert = format!(
+        "INSERT INTO {table} (consumer, purged_before)
+         VALUES ($1, {at})
          ON CONFLICT (consumer) DO UPDATE
-             SET purged_before = greatest(txinbox.retention.purged_before, EXCLUDED.purged_before),
-                 purged_at = now()",
-    )
-    .bind(consumer)
-    .bind(cutoff.0 as f64)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await
+             SET purged_before = {greatest}({table}.purged_before, EXCLUDED.purged_before),
+                 purged_at = {now}",
+        at = db.at_ms("$2"),
+        now = db.now(),
+    );
+    match db {
+        Db::Postgres(pool) => {
+            let mut tx = pool.begin().await?;
+            sqlx::query(HORIZON_LOCK).bind(consumer).execute(&mut *tx).await?;
+            sqlx::query(sqlx::AssertSqlSafe(upsert))
+                .bind(consumer)
+                .bind(cutoff.0)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        }
+        #[cfg(feature = "sqlite")]
+        Db::Sqlite(pool) => {
+            let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+            sqlx::query(sqlx::AssertSqlSafe(upsert))
+                .bind(consumer)
+                .bind(cutoff.0)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        }
+    }
 }
 
 /// Deletes up to `batch` rows of `consumer` that a purge with `cutoff` may delete (see the
 /// [module docs](self)), in one statement. Returns how many were deleted; 0 means done.
-pub async fn delete_batch(
-    pool: &PgPool,
+pub async fn delete_batch<'a>(
+    db: impl Into<Db<'a>>,
     consumer: &str,
     cutoff: Timestamp,
     batch: i64,
 ) -> Result<u64, sqlx::Error> {
-    // The batch is picked oldest first along inbox_processed_at_idx and deleted through the
-    // primary key (an array, not a join, so the cost follows the batch, not the table). The
-    // outer WHERE re-checks the condition: a row that changed since the subselect read it
-    // (e.g. reopened by a requeue) is skipped.
-    let sql = format!(
-        "DELETE FROM txinbox.inbox i
-         WHERE i.message_id = ANY(ARRAY(
-                   SELECT i.message_id FROM txinbox.inbox i WHERE {PURGEABLE}
-                   ORDER BY i.processed_at LIMIT $3))
-           AND {PURGEABLE}"
+    let db = db.into();
+    let (inbox, cond) = (db.table("inbox"), purgeable(db));
+    // The batch is picked oldest first along inbox_processed_at_idx. On PostgreSQL it is
+    // deleted through the primary key as an array, not a join, so the cost follows the batch,
+    // not the table; SQLite runs the IN subselect once. The outer WHERE re-checks the
+    // condition: a row that changed since the subselect read it (e.g. reopened by a requeue)
+    // is skipped.
+    let pick = format!("SELECT i.message_id FROM {inbox} i WHERE {cond} ORDER BY i.processed_at LIMIT $3");
+    let pick = if db.is_sqlite() {
+        format!("IN ({pick})")
+    } else {
+        format!("= ANY(ARRAY({pick}))")
+    };
+    let sql = format!("DELETE FROM {inbox} AS i WHERE i.message_id {pick} AND {cond}");
+    let count = format!(
+        "UPDATE {} SET rows_purged = rows_purged + $2 WHERE consumer = $1",
+        db.table("retention")
     );
-    let done = sqlx::query(sqlx::AssertSqlSafe(sql))
-        .bind(consumer)
-        .bind(cutoff.0 as f64)
-        .bind(batch)
-        .execute(pool)
-        .await?;
-    let n = done.rows_affected();
-    if n > 0 {
-        sqlx::query("UPDATE txinbox.retention SET rows_purged = rows_purged + $2 WHERE consumer = $1")
+    on_db!(db, pool => {
+        let n = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(consumer)
-            .bind(n as i64)
+            .bind(cutoff.0)
+            .bind(batch)
             .execute(pool)
-            .await?;
-    }
-    Ok(n)
+            .await?
+            .rows_affected();
+        if n > 0 {
+            sqlx::query(sqlx::AssertSqlSafe(count))
+                .bind(consumer)
+                .bind(n as i64)
+                .execute(pool)
+                .await?;
+        }
+        Ok(n)
+    })
 }
 
 /// Reads the retention horizon of consumer `$1` in epoch milliseconds.
-pub(crate) const HORIZON: &str = concat!(
-    "SELECT ",
-    ms!("purged_before"),
-    " FROM txinbox.retention WHERE consumer = $1"
-);
+pub(crate) fn horizon_sql(db: Db<'_>) -> String {
+    format!(
+        "SELECT {} FROM {} WHERE consumer = $1",
+        db.ms("purged_before"),
+        db.table("retention")
+    )
+}
 
 /// The retention horizon of `consumer`: see [`record_horizon`]. `None` if never purged.
-pub async fn horizon(pool: &PgPool, consumer: &str) -> Result<Option<Timestamp>, sqlx::Error> {
-    let h: Option<i64> = sqlx::query_scalar(HORIZON)
-        .bind(consumer)
-        .fetch_optional(pool)
-        .await?;
+pub async fn horizon<'a>(db: impl Into<Db<'a>>, consumer: &str) -> Result<Option<Timestamp>, sqlx::Error> {
+    let db = db.into();
+    let sql = horizon_sql(db);
+    let h: Option<i64> = on_db!(db, pool => {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .fetch_optional(pool)
+            .await?
+    });
     Ok(h.map(Timestamp))
 }
 
 /// The consumers that have inbox rows.
-pub async fn consumers(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
-    sqlx::query_scalar("SELECT DISTINCT consumer FROM txinbox.inbox ORDER BY consumer")
-        .fetch_all(pool)
-        .await
+pub async fn consumers<'a>(db: impl Into<Db<'a>>) -> Result<Vec<String>, sqlx::Error> {
+    let db = db.into();
+    let sql = format!(
+        "SELECT DISTINCT consumer FROM {} ORDER BY consumer",
+        db.table("inbox")
+    );
+    on_db!(db, pool => sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(pool).await)
 }

@@ -1,8 +1,6 @@
 //! What the inbox holds, per consumer, and where each consumer resumes.
 
-use sqlx::PgPool;
-
-use super::{ms, Timestamp};
+use super::{on_db, Db, Timestamp};
 
 /// Counters of one consumer's inbox and dead letters.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,39 +28,48 @@ pub struct ConsumerSummary {
     pub retention_horizon: Option<Timestamp>,
 }
 
-const SUMMARY: &str = concat!(
-    "WITH names AS (
-        SELECT DISTINCT consumer FROM txinbox.inbox
-        UNION SELECT consumer FROM txinbox.dead_letters
-        UNION SELECT consumer FROM txinbox.positions
-        UNION SELECT consumer FROM txinbox.retention
-        UNION SELECT consumer FROM txinbox.subscriptions)
-    SELECT n.consumer,
-        coalesce(i.processed, 0), coalesce(i.retrying, 0), coalesce(i.dead_lettered, 0),
-        coalesce(i.duplicates, 0), coalesce(d.conflicts, 0), coalesce(d.total, 0),
-        coalesce(d.pending, 0), i.oldest, r.horizon
-    FROM names n
-    LEFT JOIN LATERAL (
-        SELECT count(*) FILTER (WHERE status = 'processed') AS processed,
-               count(*) FILTER (WHERE status = 'retrying') AS retrying,
-               count(*) FILTER (WHERE status = 'dead_lettered') AS dead_lettered,
-               sum(duplicates)::bigint AS duplicates,
-               ",
-    ms!("min(first_seen_at)"),
-    " AS oldest
-        FROM txinbox.inbox WHERE consumer = n.consumer) i ON true
-    LEFT JOIN LATERAL (
-        SELECT count(*) AS total,
-               count(*) FILTER (WHERE reason = 'conflict') AS conflicts,
-               count(*) FILTER (WHERE requeued_at IS NULL AND discarded_at IS NULL) AS pending
-        FROM txinbox.dead_letters WHERE consumer = n.consumer) d ON true
-    LEFT JOIN LATERAL (
-        SELECT ",
-    ms!("purged_before"),
-    " AS horizon FROM txinbox.retention WHERE consumer = n.consumer) r ON true
-    WHERE $1::text IS NULL OR n.consumer = $1
-    ORDER BY n.consumer"
-);
+/// The counters per consumer, one query text for both stores (grouped aggregates joined to
+/// the names, rather than PostgreSQL's LATERAL, which SQLite lacks).
+fn summary_sql(db: Db<'_>) -> String {
+    let (inbox, dead, positions, retention, subscriptions) = (
+        db.table("inbox"),
+        db.table("dead_letters"),
+        db.table("positions"),
+        db.table("retention"),
+        db.table("subscriptions"),
+    );
+    let oldest = db.ms("min(first_seen_at)");
+    let horizon = db.ms("r.purged_before");
+    format!(
+        "WITH names AS (
+            SELECT DISTINCT consumer FROM {inbox}
+            UNION SELECT consumer FROM {dead}
+            UNION SELECT consumer FROM {positions}
+            UNION SELECT consumer FROM {retention}
+            UNION SELECT consumer FROM {subscriptions})
+        SELECT n.consumer,
+            coalesce(i.processed, 0), coalesce(i.retrying, 0), coalesce(i.dead_lettered, 0),
+            coalesce(i.duplicates, 0), coalesce(d.conflicts, 0), coalesce(d.total, 0),
+            coalesce(d.pending, 0), i.oldest, {horizon}
+        FROM names n
+        LEFT JOIN (
+            SELECT consumer,
+                   count(*) FILTER (WHERE status = 'processed') AS processed,
+                   count(*) FILTER (WHERE status = 'retrying') AS retrying,
+                   count(*) FILTER (WHERE status = 'dead_lettered') AS dead_lettered,
+                   CAST(sum(duplicates) AS bigint) AS duplicates,
+                   {oldest} AS oldest
+            FROM {inbox} GROUP BY consumer) i ON i.consumer = n.consumer
+        LEFT JOIN (
+            SELECT consumer, count(*) AS total,
+                   count(*) FILTER (WHERE reason = 'conflict') AS conflicts,
+                   count(*) FILTER (WHERE requeued_at IS NULL AND discarded_at IS NULL) AS pending
+            FROM {dead} GROUP BY consumer) d ON d.consumer = n.consumer
+        LEFT JOIN {retention} r ON r.consumer = n.consumer
+        WHERE CAST($1 AS text) IS NULL OR n.consumer = $1
+        ORDER BY n.consumer"
+    )
+}
 
 type SummaryRow = (
     String,
@@ -78,8 +85,15 @@ type SummaryRow = (
 );
 
 /// Counters for every consumer the database knows (or only `consumer`), by name.
-pub async fn consumers(pool: &PgPool, consumer: Option<&str>) -> Result<Vec<ConsumerSummary>, sqlx::Error> {
-    let rows: Vec<SummaryRow> = sqlx::query_as(SUMMARY).bind(consumer).fetch_all(pool).await?;
+pub async fn consumers<'a>(
+    db: impl Into<Db<'a>>,
+    consumer: Option<&str>,
+) -> Result<Vec<ConsumerSummary>, sqlx::Error> {
+    let db = db.into();
+    let sql = summary_sql(db);
+    let rows: Vec<SummaryRow> = on_db!(db, pool => {
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(consumer).fetch_all(pool).await?
+    });
     Ok(rows
         .into_iter()
         .map(|r| ConsumerSummary {
@@ -114,22 +128,26 @@ pub struct StoredPosition {
 
 /// Stored positions, optionally of one consumer and one source, ordered by consumer, source
 /// and lane (numerically where lanes are numbers).
-pub async fn positions(
-    pool: &PgPool,
+pub async fn positions<'a>(
+    db: impl Into<Db<'a>>,
     consumer: Option<&str>,
     source: Option<&str>,
 ) -> Result<Vec<StoredPosition>, sqlx::Error> {
-    let rows: Vec<(String, String, String, i64, i64)> = sqlx::query_as(concat!(
-        "SELECT consumer, source, lane, next_position, ",
-        ms!("updated_at"),
-        " FROM txinbox.positions
-         WHERE ($1::text IS NULL OR consumer = $1) AND ($2::text IS NULL OR source = $2)
-         ORDER BY consumer, source, length(lane), lane"
-    ))
-    .bind(consumer)
-    .bind(source)
-    .fetch_all(pool)
-    .await?;
+    let db = db.into();
+    let sql = format!(
+        "SELECT consumer, source, lane, next_position, {} FROM {}
+         WHERE (CAST($1 AS text) IS NULL OR consumer = $1) AND (CAST($2 AS text) IS NULL OR source = $2)
+         ORDER BY consumer, source, length(lane), lane",
+        db.ms("updated_at"),
+        db.table("positions"),
+    );
+    let rows: Vec<(String, String, String, i64, i64)> = on_db!(db, pool => {
+        sqlx::query_as(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(source)
+            .fetch_all(pool)
+            .await?
+    });
     Ok(rows
         .into_iter()
         .map(|r| StoredPosition {

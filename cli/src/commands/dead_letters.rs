@@ -12,7 +12,8 @@ use crate::{amqp, kafka, DeadLetterCommand, Env, Report};
 pub const REQUEUED_FROM: &str = "txinbox.requeued.dead-letter-id";
 
 pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     match command {
         DeadLetterCommand::List(a) => {
             if a.limit < 1 {
@@ -25,7 +26,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
                 state: a.state,
                 limit: a.limit,
             };
-            let rows = dead_letters::list(&pool, &filter)
+            let rows = dead_letters::list(pool, &filter)
                 .await
                 .map_err(db("listing dead letters"))?;
             let mut text = format!(
@@ -52,7 +53,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             ))
         }
         DeadLetterCommand::Show { id } => {
-            let r = dead_letters::get(&pool, id)
+            let r = dead_letters::get(pool, id)
                 .await
                 .map_err(db("reading the dead letter"))?
                 .ok_or_else(|| CliError::failed(format!("no dead letter {id}")))?;
@@ -72,7 +73,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             let mut text = String::new();
             let mut code = exit::OK;
             for id in ids {
-                match dead_letters::discard(&pool, id, &reason)
+                match dead_letters::discard(pool, id, &reason)
                     .await
                     .map_err(db("discarding"))?
                 {
@@ -104,7 +105,7 @@ pub async fn run(env: &Env, command: DeadLetterCommand) -> Result<Report, CliErr
             let mut code = exit::OK;
             let mut services = Publishers::default();
             for (i, &id) in ids.iter().enumerate() {
-                match requeue(env, &pool, &mut services, id, force).await {
+                match requeue(env, pool, &mut services, id, force).await {
                     Ok((json, line)) => {
                         out.push(json);
                         text.push_str(&line);
@@ -153,7 +154,7 @@ struct Publishers {
 
 async fn requeue(
     env: &Env,
-    pool: &txinbox::sqlx::PgPool,
+    pool: txinbox::ops::Db<'_>,
     services: &mut Publishers,
     id: i64,
     force: bool,

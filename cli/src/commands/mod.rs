@@ -29,7 +29,7 @@ fn num(n: Option<i64>) -> String {
 /// nothing is recorded; otherwise a refusal that says to pass `--group`.
 #[cfg(feature = "kafka")]
 pub async fn group(
-    pool: &txinbox::sqlx::PgPool,
+    pool: txinbox::ops::Db<'_>,
     consumer: &str,
     topic: &str,
     given: Option<&str>,
@@ -37,9 +37,10 @@ pub async fn group(
     use txinbox::ops::positions as ops_positions;
     let recorded = ops_positions::subscription(pool, consumer, ops_positions::KAFKA, topic)
         .await
-        .map_err(crate::error::db(
-            "reading the recorded group (txinbox.subscriptions)",
-        ))?;
+        .map_err(crate::error::db(&format!(
+            "reading the recorded group ({})",
+            pool.table("subscriptions")
+        )))?;
     ops_positions::resolve_group(recorded.as_deref(), given)
         .map_err(|e| CliError::Failed(e.explain(consumer, topic)))
 }

@@ -13,8 +13,8 @@ use std::fmt::Write;
 
 use serde_json::json;
 use txinbox::ops::positions::{self as ops, Applied, Change, PartitionView, Skip};
+use txinbox::ops::Db;
 use txinbox::ops::{retention, status, Timestamp};
-use txinbox::sqlx::PgPool;
 
 use super::{confirm, num};
 use crate::error::{db, CliError};
@@ -35,7 +35,7 @@ pub async fn run(env: &Env, c: PositionsCommand) -> Result<Report, CliError> {
 
 /// The database's and the broker's view of `partitions` of `topic` (all when empty).
 async fn views(
-    pool: &PgPool,
+    pool: Db<'_>,
     kafka: &Kafka,
     consumer: &str,
     topic: &str,
@@ -69,19 +69,20 @@ fn view_json(topic: &str, group: &str, v: &PartitionView) -> serde_json::Value {
 }
 
 async fn show(env: &Env, a: PositionsShowArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     let kafka = env.kafka("positions show")?;
     let consumer = a.consumer.consumer.as_str();
     let topics: Vec<String> = match a.consumer.topic {
         Some(t) => vec![t],
         None => {
-            let mut topics: BTreeSet<String> = ops::subscriptions(&pool, consumer, ops::KAFKA)
+            let mut topics: BTreeSet<String> = ops::subscriptions(pool, consumer, ops::KAFKA)
                 .await
                 .map_err(db("reading the recorded groups"))?
                 .into_keys()
                 .collect();
             topics.extend(
-                status::positions(&pool, Some(consumer), None)
+                status::positions(pool, Some(consumer), None)
                     .await
                     .map_err(db("reading positions"))?
                     .into_iter()
@@ -99,8 +100,8 @@ async fn show(env: &Env, a: PositionsShowArgs) -> Result<Report, CliError> {
     let mut groups = serde_json::Map::new();
     let mut text = String::new();
     for topic in &topics {
-        let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
-        let views = views(&pool, &kafka, consumer, topic, &group, &[]).await?;
+        let group = super::group(pool, consumer, topic, a.group.as_deref()).await?;
+        let views = views(pool, &kafka, consumer, topic, &group, &[]).await?;
         let _ = writeln!(text, "consumer {consumer}, topic {topic}, group {group}");
         let _ = writeln!(
             text,
@@ -172,7 +173,7 @@ fn plan_report(
 #[allow(clippy::too_many_arguments)]
 async fn write(
     env: &Env,
-    pool: &PgPool,
+    pool: Db<'_>,
     consumer: &str,
     topic: &str,
     changes: &[Change],
@@ -223,14 +224,15 @@ async fn write(
 }
 
 async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     let kafka = env.kafka("positions adopt")?;
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
-    let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
-    let horizon = retention::horizon(&pool, consumer)
+    let group = super::group(pool, consumer, topic, a.group.as_deref()).await?;
+    let horizon = retention::horizon(pool, consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
-    let views = views(&pool, &kafka, consumer, topic, &group, &a.partitions).await?;
+    let views = views(pool, &kafka, consumer, topic, &group, &a.partitions).await?;
     let (changes, skips) = ops::adopt_plan(&views, a.force);
     let (text, report) = plan_report(
         "store the group's committed offsets as database positions (the records before them count as done)",
@@ -241,20 +243,21 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
         &skips,
     );
     write(
-        env, &pool, consumer, topic, &changes, horizon, &a.write, text, report,
+        env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
     )
     .await
 }
 
 async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     let kafka = env.kafka("positions set")?;
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
-    let group = super::group(&pool, consumer, topic, a.group.as_deref()).await?;
-    let horizon = retention::horizon(&pool, consumer)
+    let group = super::group(pool, consumer, topic, a.group.as_deref()).await?;
+    let horizon = retention::horizon(pool, consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
-    let views = views(&pool, &kafka, consumer, topic, &group, &a.partitions).await?;
+    let views = views(pool, &kafka, consumer, topic, &group, &a.partitions).await?;
     if let Some(o) = a.offset {
         if let Some(v) = views.iter().find(|v| o < v.low || o > v.high) {
             return Err(CliError::BadArgs(format!(
@@ -337,15 +340,16 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
         )));
     }
     write(
-        env, &pool, consumer, topic, &changes, horizon, &a.write, text, report,
+        env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
     )
     .await
 }
 
 async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     let (consumer, topic) = (a.target.consumer.as_str(), a.target.topic.as_str());
-    let recorded = ops::subscription(&pool, consumer, ops::KAFKA, topic)
+    let recorded = ops::subscription(pool, consumer, ops::KAFKA, topic)
         .await
         .map_err(db("reading the recorded group"))?;
     let mut report = json!({
@@ -362,9 +366,10 @@ async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {
         ));
     }
     let mut text = format!(
-        "consumer {consumer}, topic {topic}: record group {} (was {}) in txinbox.subscriptions\n  the database positions stay; a consumer of the old group is refused at its next assignment (running ones go on until then): stop them first, then start them with group.id {}\n",
+        "consumer {consumer}, topic {topic}: record group {} (was {}) in {}\n  the database positions stay; a consumer of the old group is refused at its next assignment (running ones go on until then): stop them first, then start them with group.id {}\n",
         a.group,
         recorded.as_deref().unwrap_or("none recorded"),
+        pool.table("subscriptions"),
         a.group
     );
     if a.write.dry_run {
@@ -372,7 +377,7 @@ async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {
         return Ok(Report::ok(report, text));
     }
     confirm(env.json, &text, &format!("record group {}", a.group), a.write.yes)?;
-    let before = ops::rebind(&pool, consumer, ops::KAFKA, topic, &a.group)
+    let before = ops::rebind(pool, consumer, ops::KAFKA, topic, &a.group)
         .await
         .map_err(db("recording the group"))?;
     report["previous_group"] = json!(before);

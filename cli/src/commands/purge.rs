@@ -18,16 +18,18 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
             "--older-than {window} is inside the dedup window ({dedup_window}): an ID purged this early no longer deduplicates, so a redelivery, replay or requeue of its message runs the handler again. Keep at least the broker's retention plus the longest redelivery horizon, or pass --force if re-applying such messages is acceptable"
         )));
     }
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
+    let inbox = store.table("inbox");
     let consumers = match a.consumer {
         Some(c) => vec![c],
-        None => retention::consumers(&pool)
+        None => retention::consumers(pool)
             .await
             .map_err(db("listing consumers"))?,
     };
     let mut plans: Vec<(String, PurgePlan)> = Vec::new();
     for consumer in consumers {
-        let plan = retention::plan(&pool, &consumer, a.older_than)
+        let plan = retention::plan(pool, &consumer, a.older_than)
             .await
             .map_err(db("counting purgeable rows"))?;
         plans.push((consumer, plan));
@@ -37,7 +39,7 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
     for (consumer, plan) in &plans {
         let _ = writeln!(
             plan_text,
-            "{consumer}: would delete {} terminal rows of txinbox.inbox that finished before {} (older than {window})",
+            "{consumer}: would delete {} terminal rows of {inbox} that finished before {} (older than {window})",
             plan.candidates, plan.cutoff,
         );
     }
@@ -86,12 +88,12 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
         let mut deleted = 0u64;
         if plan.candidates > 0 {
             // The horizon first: a replay checked meanwhile already refuses the purged range.
-            retention::record_horizon(&pool, consumer, plan.cutoff)
+            retention::record_horizon(pool, consumer, plan.cutoff)
                 .await
                 .map_err(db("recording the retention horizon"))?;
             let bar = env.progress(plan.candidates as u64, &format!("purging {consumer}"));
             loop {
-                let n = match retention::delete_batch(&pool, consumer, plan.cutoff, a.batch_size).await {
+                let n = match retention::delete_batch(pool, consumer, plan.cutoff, a.batch_size).await {
                     Ok(n) => n,
                     Err(e) => {
                         bar.finish_and_clear();

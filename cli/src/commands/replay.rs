@@ -29,13 +29,14 @@ struct Plan {
 }
 
 pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
+    let store = env.db(false).await?;
+    let pool = store.ops();
     let kafka = env.kafka("replay")?;
     let topic = a.topic.as_str();
-    let group = super::group(&pool, &a.consumer, topic, a.group.as_deref()).await?;
+    let group = super::group(pool, &a.consumer, topic, a.group.as_deref()).await?;
 
     let plans = tokio::task::block_in_place(|| plan(&kafka, &a, &group))?;
-    let stored: HashMap<i32, i64> = status::positions(&pool, Some(&a.consumer), Some(topic))
+    let stored: HashMap<i32, i64> = status::positions(pool, Some(&a.consumer), Some(topic))
         .await
         .map_err(db("reading positions"))?
         .into_iter()
@@ -50,7 +51,7 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
         .collect();
 
     // The retention horizon: IDs of messages that finished before it may be purged.
-    let horizon = retention::horizon(&pool, &a.consumer)
+    let horizon = retention::horizon(pool, &a.consumer)
         .await
         .map_err(db("reading the retention horizon"))?;
     let starts: Vec<(i32, i64, i64)> = plans.iter().map(|p| (p.partition, p.start, p.high)).collect();
@@ -102,7 +103,7 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     let refusals: Vec<String> = [horizon_refusal, skip_refusal].into_iter().flatten().collect();
 
     if a.dry_run {
-        let counts = dry_run(env, &pool, &kafka, &a, &plans).await?;
+        let counts = dry_run(env, pool, &kafka, &a, &plans).await?;
         for (key, value) in &counts {
             report[key.as_str()] = json!(value);
         }
@@ -138,7 +139,7 @@ pub async fn run(env: &Env, a: ReplayArgs) -> Result<Report, CliError> {
     }
 
     let positions: Vec<(String, i64)> = plans.iter().map(|p| (p.partition.to_string(), p.start)).collect();
-    let set = replay::set_positions(&pool, &a.consumer, topic, &positions, horizon)
+    let set = replay::set_positions(pool, &a.consumer, topic, &positions, horizon)
         .await
         .map_err(db("setting the database positions"))?;
     if !set {
@@ -264,7 +265,7 @@ fn plan(kafka: &Kafka, a: &ReplayArgs, group: &str) -> Result<Vec<Plan>, CliErro
 /// Reads `[start, high)` of every partition and classifies each record against the inbox.
 async fn dry_run(
     env: &Env,
-    pool: &txinbox::sqlx::PgPool,
+    pool: txinbox::ops::Db<'_>,
     kafka: &Kafka,
     a: &ReplayArgs,
     plans: &[Plan],

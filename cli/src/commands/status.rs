@@ -13,8 +13,9 @@ use crate::kafka::BrokerPartition;
 use crate::{Env, Report};
 
 pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Result<Report, CliError> {
-    let pool = env.db(false).await?;
-    let summaries = status::consumers(&pool, consumer)
+    let store = env.db(false).await?;
+    let pool = store.ops();
+    let summaries = status::consumers(pool, consumer)
         .await
         .map_err(db("reading consumer counters"))?;
     if let Some(c) = consumer {
@@ -24,7 +25,7 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
             )));
         }
     }
-    let positions = status::positions(&pool, consumer, None)
+    let positions = status::positions(pool, consumer, None)
         .await
         .map_err(db("reading positions"))?;
     let kafka = match &env.brokers {
@@ -46,9 +47,12 @@ pub async fn run(env: &Env, consumer: Option<&str>, group: Option<&str>) -> Resu
                     .insert(partition, p.next_position);
             }
         }
-        let recorded = ops_positions::subscriptions(&pool, &s.consumer, ops_positions::KAFKA)
+        let recorded = ops_positions::subscriptions(pool, &s.consumer, ops_positions::KAFKA)
             .await
-            .map_err(db("reading the recorded groups (txinbox.subscriptions)"))?;
+            .map_err(db(&format!(
+                "reading the recorded groups ({})",
+                store.table("subscriptions")
+            )))?;
         for topic in recorded.keys() {
             topics.entry(topic).or_default();
         }

@@ -522,3 +522,52 @@ pub async fn inbox_rows(db: &TestDb, consumer: &str) -> i64 {
     ))
     .await
 }
+
+/// A migrated SQLite file of the embedded store for one test, removed when dropped; `url` is
+/// what `--database-url` takes (`sqlite:path`).
+pub struct SqliteDb {
+    pub pool: txinbox::sqlx::SqlitePool,
+    pub url: String,
+    path: std::path::PathBuf,
+}
+
+impl SqliteDb {
+    pub async fn new() -> SqliteDb {
+        let path = std::env::temp_dir().join(format!("{}.db", unique("txinbox_cli_sqlite")));
+        let inbox = txinbox::SqliteInbox::open(&path, 4)
+            .await
+            .expect("open the SQLite file");
+        txinbox::migrate_sqlite(inbox.pool())
+            .await
+            .expect("migrate SQLite");
+        SqliteDb {
+            pool: inbox.pool().clone(),
+            url: format!("sqlite:{}", path.display()),
+            path,
+        }
+    }
+
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned()))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    pub async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+}
+
+impl Drop for SqliteDb {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut p = self.path.clone().into_os_string();
+            p.push(suffix);
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
