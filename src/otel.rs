@@ -8,7 +8,10 @@
 //! - **Out.** [`outbox::write`](crate::outbox::write) (and `Context::outbox`) stores the
 //!   writing span's context in the row's headers, so the relay publishes it with the message
 //!   and the next consumer continues the same trace. A message whose headers already carry a
-//!   `traceparent` keeps it.
+//!   `traceparent` keeps it. The context is the span current at the write: in a
+//!   [`Handler`](crate::Handler) that is the delivery's `txinbox.process` span; a
+//!   [`BatchHandler`](crate::BatchHandler) runs for several deliveries at once, so its rows
+//!   carry the span current around the batch call unless it sets `traceparent` itself.
 //!
 //! Parent, not link: the OpenTelemetry messaging conventions recommend a link to the creation
 //! context for a process span and allow the creation context as its parent when the span
@@ -94,6 +97,7 @@ pub(crate) fn adopt_parent(span: &Span, headers: &Headers) {
 
 /// `headers` with the current span's context added, for an outbox row; `None` when there is
 /// nothing to add (the headers carry a `traceparent` already, or there is no current trace).
+#[cfg(feature = "postgres")]
 pub(crate) fn with_current_context(headers: &Headers) -> Option<Headers> {
     if headers.get(TRACEPARENT).is_some() {
         return None;
