@@ -11,7 +11,8 @@
 //!   `traceparent` keeps it. The context is the span current at the write: in a
 //!   [`Handler`](crate::Handler) that is the delivery's `txinbox.process` span; a
 //!   [`BatchHandler`](crate::BatchHandler) runs for several deliveries at once, so its rows
-//!   carry the span current around the batch call unless it sets `traceparent` itself.
+//!   carry the span current around the batch call, unless it runs the write in the
+//!   message's span ([`BatchMessage::span`](crate::BatchMessage::span)).
 //!
 //! Parent, not link: the OpenTelemetry messaging conventions recommend a link to the creation
 //! context for a process span and allow the creation context as its parent when the span

@@ -12,10 +12,14 @@ use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Executor};
+use tracing::Instrument;
 use tracing_subscriber::layer::SubscriberExt;
 use txinbox::memory::MemoryBroker;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Headers, Message};
+use txinbox::{
+    async_trait, BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Headers,
+    Message,
+};
 
 /// The exporter behind the global subscriber: W3C propagator, SDK tracer provider, the
 /// `tracing_opentelemetry` layer (what an application installs; the library installs nothing).
@@ -93,6 +97,39 @@ impl Handler<sqlx::Postgres> for Forward {
     }
 }
 
+/// The bulk form of [`Forward`]: one call for a batch, each outbox write in its message's span.
+/// Remembers the largest batch it was given.
+#[derive(Clone, Default)]
+struct BulkForward(Arc<AtomicUsize>);
+
+#[async_trait]
+impl Handler<sqlx::Postgres> for BulkForward {
+    async fn handle(&self, cx: &mut Context<'_, sqlx::Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        Forward.handle(cx, msg).await
+    }
+
+    fn batch(&self) -> Option<&dyn BatchHandler<sqlx::Postgres>> {
+        Some(self)
+    }
+}
+
+#[async_trait]
+impl BatchHandler<sqlx::Postgres> for BulkForward {
+    async fn handle_batch(
+        &self,
+        cx: &mut BatchContext<'_, sqlx::Postgres>,
+        batch: &[BatchMessage<'_>],
+    ) -> Result<(), HandlerError> {
+        self.0.fetch_max(batch.len(), Ordering::SeqCst);
+        for m in batch {
+            let payload = m.message().payload().clone();
+            let event = OutboxMessage::new(format!("fwd-{}", m.id()), "events", payload);
+            cx.outbox(&event).instrument(m.span().clone()).await?;
+        }
+        Ok(())
+    }
+}
+
 /// Stands in for the broker: keeps what the relay published.
 #[derive(Clone, Default)]
 struct Recorder(Arc<Mutex<Vec<OutboxMessage>>>);
@@ -127,7 +164,11 @@ fn published_context(message: &OutboxMessage) -> (TraceId, SpanId) {
 
 /// Runs consumer `name` over the deliveries, then one relay round; returns what was published,
 /// by payload.
-async fn consume_and_relay(name: &str, deliveries: Vec<(&str, Headers)>) -> Vec<(String, OutboxMessage)> {
+async fn consume_and_relay(
+    name: &str,
+    handler: impl Handler<sqlx::Postgres>,
+    deliveries: Vec<(&str, Headers)>,
+) -> Vec<(String, OutboxMessage)> {
     exporter();
     let pool = test_db().await;
     let broker = MemoryBroker::new("orders");
@@ -143,7 +184,9 @@ async fn consume_and_relay(name: &str, deliveries: Vec<(&str, Headers)>) -> Vec<
     Consumer::builder(name)
         .source(broker.source())
         .inbox(txinbox::PostgresInbox::new(pool.clone()))
-        .handler(Forward)
+        .handler(handler)
+        // Lets the deliveries of the lane gather into one batch (a batch handler gets them at once).
+        .batch_linger(Duration::from_millis(200))
         .build()
         .unwrap()
         .run()
@@ -169,6 +212,7 @@ async fn a_producer_trace_runs_through_the_consumer_span_and_the_relayed_message
     let amqp_parent = SpanId::from_hex("aaaabbbbccccdddd").unwrap();
     let published = consume_and_relay(
         "otel-hops",
+        Forward,
         vec![
             (
                 "w3c",
@@ -230,6 +274,7 @@ async fn a_message_without_trace_context_starts_a_trace_and_an_explicit_tracepar
     let keep = format!("keep:{own}");
     let published = consume_and_relay(
         "otel-fresh",
+        Forward,
         vec![
             ("untraced", Headers::new()),
             (&keep, Headers::new()),
@@ -264,4 +309,41 @@ async fn a_message_without_trace_context_starts_a_trace_and_an_explicit_tracepar
         1,
         "not doubled"
     );
+}
+
+#[tokio::test]
+async fn a_batch_handler_writing_in_each_message_span_gives_each_row_its_producer_trace() {
+    let traces: Vec<TraceId> = (1..=4u128).map(|i| TraceId::from(0xabc0_0000 + i)).collect();
+    let parent = SpanId::from_hex("00f067aa0ba902b7").unwrap();
+    let payloads: Vec<String> = (0..traces.len()).map(|i| format!("bulk-{i}")).collect();
+    let handler = BulkForward::default();
+    let published = consume_and_relay(
+        "otel-batch",
+        handler.clone(),
+        traces
+            .iter()
+            .zip(&payloads)
+            .map(|(trace, payload)| {
+                (
+                    payload.as_str(),
+                    Headers::new().with("traceparent", traceparent(*trace, parent)),
+                )
+            })
+            .collect(),
+    )
+    .await;
+    assert!(
+        handler.0.load(Ordering::SeqCst) > 1,
+        "the messages went through the batch handler"
+    );
+    for (trace, payload) in traces.iter().zip(&payloads) {
+        let process = spans_in(*trace, "txinbox.process");
+        assert_eq!(process.len(), 1, "{payload}");
+        let (_, message) = published.iter().find(|(p, _)| p == payload).unwrap();
+        assert_eq!(
+            published_context(message),
+            (*trace, process[0].span_context.span_id()),
+            "{payload}: its own trace, not a neighbour's"
+        );
+    }
 }

@@ -328,6 +328,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                     message: batch[i].delivery.message(),
                     id: entries[i].id,
                     attempt,
+                    span: &batch[i].span,
                 })
                 .collect();
             let mut cx = BatchContext {
