@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
+use opentelemetry::trace::{SpanId, TraceContextExt as _, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Executor};
@@ -346,4 +346,36 @@ async fn a_batch_handler_writing_in_each_message_span_gives_each_row_its_produce
             "{payload}: its own trace, not a neighbour's"
         );
     }
+}
+
+/// The HTTP hop: an outbox row written in an application's span (an HTTP handler's, continuing
+/// the caller's `traceparent` the way the application's HTTP tracing does) is published in
+/// that trace, with that span as parent.
+#[tokio::test]
+async fn an_outbox_write_in_an_application_span_is_published_in_its_trace() {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    exporter();
+    let pool = test_db().await;
+    let caller = TraceId::from_hex("5b8aa5a2d2c872e8321cf37308d69df2").unwrap();
+    let request_headers = Headers::new().with(
+        "traceparent",
+        traceparent(caller, SpanId::from_hex("051581bf3cb55c13").unwrap()),
+    );
+    let span = tracing::info_span!("POST /orders");
+    span.set_parent(txinbox::otel::extract(&request_headers)).unwrap();
+    let request_span = span.context().span().span_context().span_id();
+    async {
+        let mut tx = pool.begin().await.unwrap();
+        txinbox::outbox::write(&mut *tx, &OutboxMessage::new("order-9", "orders", "placed"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    .instrument(span)
+    .await;
+    let recorder = Recorder::default();
+    let relay = Relay::new(pool, recorder.clone(), RelayConfig::default()).unwrap();
+    relay.relay_once().await.unwrap();
+    let published = recorder.0.lock().unwrap().clone();
+    assert_eq!(published_context(&published[0]), (caller, request_span));
 }
