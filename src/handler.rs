@@ -379,6 +379,7 @@ pub struct BatchMessage<'a> {
     pub(crate) message: &'a Message,
     pub(crate) id: &'a MessageId,
     pub(crate) attempt: u32,
+    pub(crate) span: &'a tracing::Span,
 }
 
 impl<'a> BatchMessage<'a> {
@@ -395,5 +396,12 @@ impl<'a> BatchMessage<'a> {
     /// Which attempt this is, starting at 1 (see [`Context::attempt`]).
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+
+    /// This message's `txinbox.process` span. Run work done for this one message in it, e.g.
+    /// `cx.outbox(&event).instrument(m.span().clone())`: with feature `otel` the outbox row
+    /// then carries this message's trace context rather than the batch's.
+    pub fn span(&self) -> &'a tracing::Span {
+        self.span
     }
 }

@@ -46,6 +46,7 @@
 //! | `postgres` | yes | [`PostgresInbox`], [`migrate`] |
 //! | `sqlite` | yes | [`SqliteInbox`], [`migrate_sqlite`]: the embedded store (bundled SQLite) |
 //! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
+//! | `otel` | no | [`otel`]: W3C trace context across hops: a delivery's span is a child of the producer's, outbox rows carry the writer's context to the next consumer |
 //! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
 //!
 //! With `postgres`, [`outbox`] adds the transactional outbox: rows written with the effects,
@@ -56,7 +57,8 @@
 //! Each message runs in a `txinbox.process` span carrying OpenTelemetry messaging attributes
 //! (`messaging.system`, `messaging.destination.name`, `messaging.message.id`,
 //! `messaging.consumer.group.name`, partition and offset where known) plus `txinbox.attempt` and
-//! `txinbox.outcome`. Metrics go through the `metrics` facade; see [`telemetry`] for names. The
+//! `txinbox.outcome`. With feature `otel` the span continues the producer's trace (`traceparent`
+//! header) and outbox messages carry it on (see [`otel`]). Metrics go through the `metrics` facade; see [`telemetry`] for names. The
 //! library never installs a subscriber, recorder or exporter.
 
 mod consumer;
@@ -76,6 +78,8 @@ pub mod telemetry;
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(feature = "postgres")]
 pub mod outbox;
 

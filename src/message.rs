@@ -194,6 +194,15 @@ impl Headers {
         self.0.is_empty()
     }
 
+    /// Removes every header called `name`, then appends `value` under that name, if any.
+    #[cfg(feature = "otel")]
+    pub(crate) fn replace(&mut self, name: &str, value: Option<impl Into<Bytes>>) {
+        self.0.retain(|(n, _)| n != name);
+        if let Some(value) = value {
+            self.0.push((name.into(), value.into()));
+        }
+    }
+
     /// Total size of names and values in bytes, for the size limit.
     pub(crate) fn byte_len(&self) -> usize {
         self.0.iter().map(|(n, v)| n.len() + v.len()).sum()

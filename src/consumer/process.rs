@@ -50,9 +50,10 @@ enum Attempt {
 }
 
 /// The `txinbox.process` span of one delivery, for its whole life (batched or alone).
+/// With feature `otel`, a child of the producer's span when the headers carry its context.
 fn span_for<St, H>(shared: &Shared<St, H>, msg: &crate::message::Message) -> Span {
     let origin = msg.origin();
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "txinbox.process",
         "messaging.system" = shared.system,
         "messaging.operation.type" = "process",
@@ -63,7 +64,10 @@ fn span_for<St, H>(shared: &Shared<St, H>, msg: &crate::message::Message) -> Spa
         "messaging.message.id" = field::Empty,
         "txinbox.attempt" = field::Empty,
         "txinbox.outcome" = field::Empty,
-    )
+    );
+    #[cfg(feature = "otel")]
+    crate::otel::adopt_parent(&span, msg.headers());
+    span
 }
 
 /// Processes one delivery alone, to its settlement, in `span`. Returns `false` if its lane must
@@ -351,6 +355,7 @@ async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
                     message: batch[i].delivery.message(),
                     id: entries[i].id,
                     attempt,
+                    span: &batch[i].span,
                 })
                 .collect();
             let mut cx = BatchContext {

@@ -266,6 +266,9 @@ RETURNING o.destination = $2, o.message_key IS NOT DISTINCT FROM $3, o.payload =
 /// harmless. The same ID with another destination, key or payload is
 /// [`WriteError::Conflict`], never a silent no-op: one of two different messages would be
 /// lost. Headers are not compared (they may carry per-attempt data, such as trace context).
+/// With feature `otel`, the current span's trace context is added to the stored headers
+/// (`traceparent`, `tracestate`, unless the message carries a `traceparent` already), so the
+/// relay publishes it and the next consumer continues the trace (see [`crate::otel`]).
 /// Once the relay's retention has deleted the published row, the same ID can be written
 /// again and is published again: the downstream inbox deduplicates it.
 pub async fn write<'c, E>(executor: E, message: &OutboxMessage) -> Result<bool, WriteError>
@@ -273,7 +276,13 @@ where
     E: sqlx::Executor<'c, Database = sqlx::Postgres>,
 {
     message.validate()?;
-    let (names, values): (Vec<&str>, Vec<&[u8]>) = message.headers.iter().unzip();
+    #[cfg(feature = "otel")]
+    let traced = crate::otel::with_current_context(&message.headers);
+    #[cfg(feature = "otel")]
+    let headers = traced.as_ref().unwrap_or(&message.headers);
+    #[cfg(not(feature = "otel"))]
+    let headers = &message.headers;
+    let (names, values): (Vec<&str>, Vec<&[u8]>) = headers.iter().unzip();
     let row: Option<(bool, bool, bool)> = sqlx::query_as(INSERT)
         .bind(&message.message_id)
         .bind(&message.destination)

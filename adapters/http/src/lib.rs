@@ -79,6 +79,13 @@
 //! bounds the handler's own lock waits. The embedded SQLite store works too
 //! (`IdempotencyLayer::<sqlx::Sqlite>::new(pool)`, `IdempotentTx<sqlx::Sqlite>`); see
 //! [`Backend`] for the differences.
+//!
+//! # Tracing
+//!
+//! Each request runs in a `txinbox.http.idempotency` span. With feature `otel`, when no span
+//! of the application carries a trace yet (no HTTP tracing of its own), that span continues the
+//! request's `traceparent` (through the application's OpenTelemetry propagator), so the handler
+//! and the outbox rows it writes join the caller's trace (see `txinbox::otel`).
 
 mod extract;
 mod fingerprint;

@@ -85,6 +85,8 @@ where
             http.request.method = %req.method(),
             txinbox.http.outcome = tracing::field::Empty,
         );
+        #[cfg(feature = "otel")]
+        continue_callers_trace(&span, req.headers());
         Box::pin(
             async move {
                 let (outcome, res) = run(&config, inner, req, route.clone()).await;
@@ -93,6 +95,40 @@ where
             }
             .instrument(span),
         )
+    }
+}
+
+/// Makes `span` a child of the caller's span (`traceparent`, read by the application's global
+/// propagator) unless the application's own HTTP tracing already put the request in a trace:
+/// its spans are never re-parented.
+#[cfg(feature = "otel")]
+fn continue_callers_trace(span: &tracing::Span, headers: &http::HeaderMap) {
+    use opentelemetry::propagation::Extractor;
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    struct Carrier<'a>(&'a http::HeaderMap);
+    impl Extractor for Carrier<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|v| v.to_str().ok())
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(|k| k.as_str()).collect()
+        }
+    }
+
+    if tracing::Span::current()
+        .context()
+        .span()
+        .span_context()
+        .is_valid()
+    {
+        return;
+    }
+    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&Carrier(headers)));
+    if cx.span().span_context().is_valid() {
+        // NOTE: fails only without a `tracing_opentelemetry` layer or for a disabled span.
+        let _ = span.set_parent(cx);
     }
 }
 
