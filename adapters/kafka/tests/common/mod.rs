@@ -2,9 +2,9 @@
 //! rdkafka producer, and a consumer runner.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
@@ -206,7 +206,10 @@ pub fn deposit(account: &str, amount: i64) -> String {
 pub struct DepositHandler {
     pub run: i32,
     pub hold: Duration,
+    /// Handler calls, re-runs included (a transaction that lost a lock conflict runs again).
     pub calls: Arc<AtomicUsize>,
+    /// The message IDs it was called with.
+    pub seen: Arc<Mutex<HashSet<String>>>,
 }
 
 impl DepositHandler {
@@ -215,6 +218,7 @@ impl DepositHandler {
             run,
             hold: Duration::ZERO,
             calls: Arc::default(),
+            seen: Arc::default(),
         }
     }
 
@@ -228,6 +232,10 @@ impl DepositHandler {
 impl Handler<Postgres> for DepositHandler {
     async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        self.seen
+            .lock()
+            .unwrap()
+            .insert(cx.message_id().as_str().to_owned());
         let d: Deposit = msg.json()?;
         sqlx::query(
             "INSERT INTO accounts (id, balance) VALUES ($1, $2)
