@@ -148,6 +148,25 @@ async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
     assert_eq!(r.position(1).await, Some(3), "the group offset adopted");
     assert_eq!(r.position(0).await, Some(4), "an existing position is kept");
 
+    // Partition 0 is behind the group (4 < 5): adopting counts offset 4 as done although the
+    // database has no effect of it. The plan says so before anything is written.
+    let behind = r
+        .run(&[
+            "--json",
+            "positions",
+            "adopt",
+            "--partition",
+            "0",
+            "--force",
+            "--dry-run",
+        ])
+        .await
+        .ok();
+    let warning = behind["warnings"][0].as_str().unwrap_or_default();
+    assert!(
+        warning.contains("partition 0 offsets 4..5"),
+        "the records it skips are named: {behind:#}"
+    );
     r.run(&[
         "--json",
         "positions",

@@ -234,7 +234,7 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
         .map_err(db("reading the retention horizon"))?;
     let views = views(pool, &kafka, consumer, topic, &group, &a.partitions).await?;
     let (changes, skips) = ops::adopt_plan(&views, a.force);
-    let (text, report) = plan_report(
+    let (mut text, mut report) = plan_report(
         "store the group's committed offsets as database positions (the records before them count as done)",
         consumer,
         topic,
@@ -242,6 +242,25 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
         &changes,
         &skips,
     );
+    // A stored position behind the group's offset (--force): the records between have no
+    // effects in the database (after a restore: the effects it lost) and will never reach the
+    // consumer once adopted. Say which, before anything is written.
+    let skipped: Vec<String> = changes
+        .iter()
+        .filter_map(|c| {
+            let from = c.from?;
+            (from < c.to).then(|| {
+                format!(
+                    "partition {} offsets {from}..{} will never reach the consumer: the database position says they were not processed (after a restore: the effects it lost); `positions set --to-earliest` re-applies them instead",
+                    c.partition, c.to
+                )
+            })
+        })
+        .collect();
+    for w in &skipped {
+        let _ = writeln!(text, "warning: {w}");
+    }
+    report["warnings"] = json!(skipped);
     write(
         env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
     )
