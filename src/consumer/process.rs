@@ -70,14 +70,13 @@ fn span_for<St, H>(shared: &Shared<St, H>, msg: &crate::message::Message) -> Spa
     span
 }
 
-/// Processes one delivery alone, to its settlement, in `span`. Returns `false` if its lane must
-/// not go on without it: it was left unsettled (shutdown or a fatal error came first), or the
-/// broker did not take a settlement the database does not record the position of (see
-/// [`settle`]).
+/// Processes one delivery alone, to its settlement, in `span`. `Err` if its lane must not go on
+/// without it: it was left unsettled (shutdown or a fatal error came first), or the broker did
+/// not take a settlement the database does not record the position of (see [`settle`]).
 async fn process_alone<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     item: Item<D>,
-) -> bool {
+) -> Result<(), Stop> {
     let Item {
         delivery, span, key, ..
     } = item;
@@ -85,7 +84,7 @@ async fn process_alone<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         let Some(verdict) = decide(shared, &delivery, key).await else {
             tracing::Span::current().record("txinbox.outcome", "abandoned");
             tracing::debug!("left unsettled at shutdown; the broker will redeliver it");
-            return false;
+            return Err(Stop::at(&delivery));
         };
         settle(shared, delivery, verdict).await
     }
@@ -227,8 +226,7 @@ pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db
         if n <= 1 {
             let item = queue.pop_front().expect("not empty");
             let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            let stop = Stop::at(&item.delivery);
-            if !process_alone(shared, item).await {
+            if let Err(stop) = process_alone(shared, item).await {
                 if ordered {
                     // What this task still holds may include the lane started over.
                     match queue.iter().position(|i| stop.starts_over(&i.delivery)) {
@@ -858,16 +856,16 @@ fn store_unavailable<St, H>(shared: &Shared<St, H>, e: StoreError, failures: u32
     Some(())
 }
 
-/// Settles `delivery` with the broker as `verdict` says. Returns `false` if its lane must stop
-/// here: the broker did not take a settlement whose position the database does not hold (a
-/// dead letter or a retry of a delivery with a position). The next delivery of the lane would
+/// Settles `delivery` with the broker as `verdict` says. `Err` if its lane must stop here: the
+/// broker did not take a settlement whose position the database does not hold (a dead letter
+/// or a retry of a delivery with a position). The next delivery of the lane would
 /// commit its own position, past this one, and a restart would skip it; stopped, the lane
 /// runs again when the source delivers this one again.
 async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     shared: &Shared<St, H>,
     delivery: D,
     verdict: Verdict,
-) -> bool {
+) -> Result<(), Stop> {
     let metrics = &shared.metrics;
     let (outcome, settlement, attempt) = match verdict {
         Verdict::Processed(attempt) => {
@@ -895,14 +893,17 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
         span.record("txinbox.attempt", attempt);
     }
     span.record("txinbox.outcome", outcome);
-    // A dead letter's position moves only once the broker has its copy (see below).
-    let dead_letter_position = match settlement {
-        Settlement::DeadLetter(_) => delivery.position(),
-        _ => None,
+    // Processed and duplicate deliveries committed their position with their effects; a retry
+    // or a dead letter did not. A dead letter's moves once the broker has its copy (see below).
+    let pending = match settlement {
+        Settlement::Ack => None,
+        _ => delivery.position(),
     };
-    // Processed and duplicate deliveries committed their position with their effects; a
-    // retry or a dead letter did not.
-    let position_pending = !matches!(settlement, Settlement::Ack) && delivery.position().is_some();
+    let stop = pending.as_ref().map(|p| Stop {
+        next: Some(p.next),
+        assignment: delivery.assignment(),
+    });
+    let dead_letter_position = pending.filter(|_| matches!(settlement, Settlement::DeadLetter(_)));
     // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
     // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
     // contract allows: the broker redelivers and the inbox deduplicates.
@@ -917,17 +918,17 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
     };
     if let Err(e) = settled {
         metrics.ack_failures.increment(1);
-        if position_pending {
+        if let Some(stop) = stop {
             // Nothing after it on its lane may commit a position past it: stop the lane until
             // the source delivers this one again (on Kafka: the partition assigned again).
             tracing::warn!(error = %e, outcome, "the broker did not take the settlement; its lane stops until the message is delivered again");
-            return false;
+            return Err(stop);
         }
         // The database side is final; the broker will redeliver and the inbox deduplicates.
         // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
         // broker connection is flapping).
         tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
-        return true;
+        return Ok(());
     }
     tracing::debug!(outcome, "settled");
     if let Some(position) = dead_letter_position {
@@ -953,7 +954,7 @@ async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
             tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
         }
     }
-    true
+    Ok(())
 }
 
 /// Runs a handler call: a panic becomes a transient error (its transaction is rolled back by
