@@ -43,6 +43,25 @@ pub struct PostgresInbox {
 }
 
 impl PostgresInbox {
+    /// Runs `sql` ([`SAVE_POSITION`] or [`ADVANCE_POSITION`]) for `p`.
+    async fn write_position(
+        &self,
+        sql: &'static str,
+        conn: &mut PgConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(sql)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(())
+    }
+
     /// An inbox on an existing pool. Run [`migrate`] once before consuming.
     ///
     /// The pool should set `idle_in_transaction_session_timeout` (see
@@ -325,15 +344,7 @@ impl InboxStore for PostgresInbox {
         consumer: &str,
         p: &Position,
     ) -> Result<(), StoreError> {
-        sqlx::query(SAVE_POSITION)
-            .bind(consumer)
-            .bind(&*p.source)
-            .bind(&*p.lane)
-            .bind(p.next)
-            .execute(conn)
-            .await
-            .map_err(|e| self.classify(e))?;
-        Ok(())
+        self.write_position(SAVE_POSITION, conn, consumer, p).await
     }
 
     async fn advance_position(
@@ -342,15 +353,7 @@ impl InboxStore for PostgresInbox {
         consumer: &str,
         p: &Position,
     ) -> Result<(), StoreError> {
-        sqlx::query(ADVANCE_POSITION)
-            .bind(consumer)
-            .bind(&*p.source)
-            .bind(&*p.lane)
-            .bind(p.next)
-            .execute(conn)
-            .await
-            .map_err(|e| self.classify(e))?;
-        Ok(())
+        self.write_position(ADVANCE_POSITION, conn, consumer, p).await
     }
 
     async fn record_duplicates(

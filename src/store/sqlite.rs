@@ -39,6 +39,25 @@ pub struct SqliteInbox {
 }
 
 impl SqliteInbox {
+    /// Runs `sql` ([`SAVE_POSITION`] or [`ADVANCE_POSITION`]) for `p`.
+    async fn write_position(
+        &self,
+        sql: &'static str,
+        conn: &mut SqliteConnection,
+        consumer: &str,
+        p: &Position,
+    ) -> Result<(), StoreError> {
+        sqlx::query(sql)
+            .bind(consumer)
+            .bind(&*p.source)
+            .bind(&*p.lane)
+            .bind(p.next)
+            .execute(conn)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(())
+    }
+
     /// An inbox on an existing pool whose options went through
     /// [`connect_options`](Self::connect_options). Run [`migrate_sqlite`] once before consuming.
     pub fn new(pool: SqlitePool) -> Self {
@@ -232,15 +251,7 @@ impl InboxStore for SqliteInbox {
         consumer: &str,
         p: &Position,
     ) -> Result<(), StoreError> {
-        sqlx::query(SAVE_POSITION)
-            .bind(consumer)
-            .bind(&*p.source)
-            .bind(&*p.lane)
-            .bind(p.next)
-            .execute(conn)
-            .await
-            .map_err(|e| self.classify(e))?;
-        Ok(())
+        self.write_position(SAVE_POSITION, conn, consumer, p).await
     }
 
     async fn advance_position(
@@ -249,15 +260,7 @@ impl InboxStore for SqliteInbox {
         consumer: &str,
         p: &Position,
     ) -> Result<(), StoreError> {
-        sqlx::query(ADVANCE_POSITION)
-            .bind(consumer)
-            .bind(&*p.source)
-            .bind(&*p.lane)
-            .bind(p.next)
-            .execute(conn)
-            .await
-            .map_err(|e| self.classify(e))?;
-        Ok(())
+        self.write_position(ADVANCE_POSITION, conn, consumer, p).await
     }
 
     async fn record_duplicates(

@@ -6,15 +6,15 @@ use super::metrics::{counter, snapshotter};
 use super::spans::{capture, warnings_of};
 use super::*;
 
-/// Every connection of the pool is busy (here: held by the test, as other work in the
-/// application would hold them) for longer than the acquire timeout. The database is fine, so
-/// this must not be counted or logged as an outage (it used to be: `PoolTimedOut` was
-/// "unavailable", which pauses intake and raises `txinbox_store_errors_total`, what operators
-/// alert on).
-#[tokio::test]
-async fn a_saturated_pool_is_backpressure_not_an_outage() {
-    snapshotter();
-    let db = TestDb::new(10).await;
+/// A consumer `name` on a pool of 2 whose connections the test holds (returned: drop them to
+/// free the pool), with one deposit to apply.
+async fn saturated(
+    name: &str,
+    db: &TestDb,
+) -> (
+    Vec<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+    tokio::task::JoinHandle<Result<(), Error>>,
+) {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(Duration::from_millis(200))
@@ -25,7 +25,7 @@ async fn a_saturated_pool_is_backpressure_not_an_outage() {
     let broker = MemoryBroker::new("payments");
     broker.publish("evt-1", deposit("alice", 10, "-", 0));
     broker.close();
-    let consumer = Consumer::builder("saturated")
+    let consumer = Consumer::builder(name)
         .source(broker.source())
         .inbox(txinbox::PostgresInbox::new(pool.clone()))
         .handler(DepositHandler::default())
@@ -33,6 +33,19 @@ async fn a_saturated_pool_is_backpressure_not_an_outage() {
         .build()
         .unwrap();
     let run = tokio::spawn(consumer.run());
+    (held, run)
+}
+
+/// Every connection of the pool is busy (here: held by the test, as other work in the
+/// application would hold them) for longer than the acquire timeout. The database is fine, so
+/// this must not be counted or logged as an outage (it used to be: `PoolTimedOut` was
+/// "unavailable", which pauses intake and raises `txinbox_store_errors_total`, what operators
+/// alert on).
+#[tokio::test]
+async fn a_saturated_pool_is_backpressure_not_an_outage() {
+    snapshotter();
+    let db = TestDb::new(10).await;
+    let (held, run) = saturated("saturated", &db).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     drop(held);
     tokio::time::timeout(Duration::from_secs(20), run)
@@ -55,24 +68,7 @@ async fn a_saturated_pool_is_backpressure_not_an_outage() {
 async fn a_pool_saturated_for_long_is_reported_as_an_outage() {
     snapshotter();
     let db = TestDb::new(10).await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_millis(200))
-        .connect_with((*db.pool.connect_options()).clone())
-        .await
-        .unwrap();
-    let held = vec![pool.acquire().await.unwrap(), pool.acquire().await.unwrap()];
-    let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
-    broker.close();
-    let consumer = Consumer::builder("saturated-long")
-        .source(broker.source())
-        .inbox(txinbox::PostgresInbox::new(pool.clone()))
-        .handler(DepositHandler::default())
-        .concurrency(2)
-        .build()
-        .unwrap();
-    let run = tokio::spawn(consumer.run());
+    let (held, run) = saturated("saturated-long", &db).await;
     let started = std::time::Instant::now();
     while counter(txinbox::telemetry::STORE_ERRORS, "saturated-long", None) == 0 {
         assert!(
