@@ -369,20 +369,18 @@ async fn positions_ops_classify_plan_and_write_only_what_was_planned() {
     );
 }
 
-/// The restore procedure end to end: a database restored to a state where partition 1 was never
-/// processed (no effects, no inbox rows, no position) while the group committed it; `positions
-/// show` says so, `positions set --to-earliest` and a restart re-apply exactly what was lost,
-/// nothing twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
-    let Some(brokers) = brokers() else { return };
+/// 10 deposits on each of 2 partitions processed (positions, group offsets, recorded group),
+/// then the database "restored" to a dump taken before partition 1 was first processed (its
+/// effects, inbox rows and position gone). Returns the database, topic, consumer name and a
+/// query of the sum of its positions.
+async fn processed_then_restored(brokers: &str) -> (TestDb, String, String, String) {
     let db = TestDb::new().await;
-    let topic = create_topic(&brokers, 2).await;
+    let topic = create_topic(brokers, 2).await;
     let consumer = consumer_name();
-    let producer = Producer::new(&brokers);
+    let producer = Producer::new(brokers);
     producer.deposits(&topic, 0, "a", 10).await;
     producer.deposits(&topic, 1, "b", 10).await;
-    let running = Running::start(&db, &brokers, &consumer, &topic);
+    let running = Running::start(&db, brokers, &consumer, &topic);
     let done = format!(
         "SELECT coalesce(sum(next_position), 0)::bigint FROM txinbox.positions WHERE consumer = '{consumer}'"
     );
@@ -390,8 +388,6 @@ async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
     running.stop().await;
     // The consumer's group.id is its name.
     record_subscription(&db, &consumer, &topic, &consumer).await;
-
-    // The restore: partition 1 was never processed in the backup.
     db.exec(&format!(
         "BEGIN;
          DELETE FROM effects WHERE message_id LIKE 'b-%';
@@ -400,6 +396,17 @@ async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
          COMMIT;"
     ))
     .await;
+    (db, topic, consumer, done)
+}
+
+/// The restore procedure end to end: a database restored to a state where partition 1 was never
+/// processed (no effects, no inbox rows, no position) while the group committed it; `positions
+/// show` says so, `positions set --to-earliest` and a restart re-apply exactly what was lost,
+/// nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
+    let Some(brokers) = brokers() else { return };
+    let (db, topic, consumer, done) = processed_then_restored(&brokers).await;
     let show = txinbox(
         &db.url,
         Some(&brokers),
@@ -470,26 +477,7 @@ async fn restore_then_set_to_earliest_reapplies_exactly_the_lost_effects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn set_to_earliest_for_a_held_partition_works_while_the_consumer_runs() {
     let Some(brokers) = brokers() else { return };
-    let db = TestDb::new().await;
-    let topic = create_topic(&brokers, 2).await;
-    let consumer = consumer_name();
-    let producer = Producer::new(&brokers);
-    producer.deposits(&topic, 0, "a", 10).await;
-    producer.deposits(&topic, 1, "b", 10).await;
-    let running = Running::start(&db, &brokers, &consumer, &topic);
-    let done = format!(
-        "SELECT coalesce(sum(next_position), 0)::bigint FROM txinbox.positions WHERE consumer = '{consumer}'"
-    );
-    db.wait_for(&done, 20, std::time::Duration::from_secs(60)).await;
-    running.stop().await;
-    db.exec(&format!(
-        "BEGIN;
-         DELETE FROM effects WHERE message_id LIKE 'b-%';
-         DELETE FROM txinbox.inbox WHERE message_id LIKE 'b-%';
-         DELETE FROM txinbox.positions WHERE consumer = '{consumer}' AND lane = '1';
-         COMMIT;"
-    ))
-    .await;
+    let (db, topic, consumer, _) = processed_then_restored(&brokers).await;
 
     // Restarted: it holds partition 1.
     let running = Running::start(&db, &brokers, &consumer, &topic);
