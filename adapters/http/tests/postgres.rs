@@ -522,7 +522,9 @@ async fn in_flight_duplicate_gets_409_with_retry_after_then_replay() {
             send(
                 &app,
                 req("t1", Some("kf"), 2)
-                    .header("x-sleep-ms", "800")
+                    // Long enough that the duplicate's claim, even on a loaded CI machine, comes
+                    // while this one still holds the key (800 ms was not: it replayed once).
+                    .header("x-sleep-ms", "3000")
                     .body(body(2))
                     .unwrap(),
             )
