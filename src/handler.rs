@@ -99,14 +99,17 @@ impl<DB: sqlx::Database> Context<'_, DB> {
     /// ([`outbox::derive_id`](crate::outbox::derive_id)): the same on every attempt, so a
     /// retried handler writes the same outbox rows, and different for another consumer
     /// handling the same message.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub fn derive_id(&self, step: &str) -> String {
         crate::outbox::derive_id(self.consumer, self.id.as_str(), step)
     }
 }
 
-#[cfg(feature = "postgres")]
-impl Context<'_, sqlx::Postgres> {
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl<DB: crate::outbox::OutboxDatabase> Context<'_, DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
     /// Writes `message` into the outbox in this transaction: it is published only if the
     /// handler's effects commit. `Ok(false)`: this very message is in the outbox already and
     /// nothing was written; another message with its ID is an error that dead-letters the
@@ -237,7 +240,7 @@ where
         let source: Box<dyn std::error::Error + Send + Sync> = e.into();
         // An outbox message that can never be written (invalid, or its ID taken by another
         // message) would only burn the attempts: dead-letter it at once.
-        #[cfg(feature = "postgres")]
+        #[cfg(any(feature = "postgres", feature = "sqlite"))]
         if source
             .downcast_ref::<crate::outbox::WriteError>()
             .is_some_and(crate::outbox::WriteError::is_permanent)
@@ -348,14 +351,17 @@ impl<DB: sqlx::Database> BatchContext<'_, DB> {
 
     /// The downstream message ID [`Context::derive_id`] gives `message` for `step`, so a batch
     /// handler writes the same outbox rows as [`Handler::handle`] would for each message.
-    #[cfg(feature = "postgres")]
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub fn derive_id(&self, message: &BatchMessage<'_>, step: &str) -> String {
         crate::outbox::derive_id(self.consumer, message.id.as_str(), step)
     }
 }
 
-#[cfg(feature = "postgres")]
-impl BatchContext<'_, sqlx::Postgres> {
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+impl<DB: crate::outbox::OutboxDatabase> BatchContext<'_, DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
     /// Writes `message` into the outbox in the batch's transaction; see [`Context::outbox`].
     pub async fn outbox(
         &mut self,

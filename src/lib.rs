@@ -49,8 +49,9 @@
 //! | `otel` | no | [`otel`]: W3C trace context across hops: a delivery's span is a child of the producer's, outbox rows carry the writer's context to the next consumer |
 //! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
 //!
-//! With `postgres`, [`outbox`] adds the transactional outbox: rows written with the effects,
-//! published at least once by a [`outbox::Relay`] (Kafka and AMQP publishers in the adapters).
+//! [`outbox`] is the transactional outbox, on PostgreSQL and SQLite: rows written with the
+//! effects, published at least once by a [`outbox::Relay`] (Kafka and AMQP publishers in the
+//! adapters).
 //!
 //! # Observability
 //!
@@ -80,7 +81,7 @@ pub mod telemetry;
 pub mod memory;
 #[cfg(feature = "otel")]
 pub mod otel;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub mod outbox;
 
 pub use consumer::{

@@ -1,6 +1,6 @@
-//! The transactional outbox (PostgreSQL): messages a handler wants to send are written as rows
-//! in the same transaction as its effects, and a [`Relay`] publishes them afterwards, at least
-//! once, through a broker-neutral [`Publisher`].
+//! The transactional outbox (PostgreSQL and SQLite): messages a handler wants to send are
+//! written as rows in the same transaction as its effects, and a [`Relay`] publishes them
+//! afterwards, at least once, through a broker-neutral [`Publisher`].
 //!
 //! A handler that publishes directly to a broker breaks effectively-once processing: a retried
 //! attempt publishes twice, a rolled-back attempt publishes a message for effects that never
@@ -48,16 +48,30 @@
 //!   that a row committed after a later row of its key was claimed may be published alongside
 //!   the rows of transactions it overlapped with; see [`Relay`]).
 //!
-//! PostgreSQL only: the relay relies on `FOR UPDATE SKIP LOCKED` and `LISTEN/NOTIFY`.
+//! # PostgreSQL and SQLite
+//!
+//! On PostgreSQL the outbox is `txinbox.outbox` ([`migrate`](crate::migrate)); a relay claims
+//! rows with `FOR UPDATE SKIP LOCKED` inside the transaction that marks them and is woken by
+//! `LISTEN/NOTIFY`. On SQLite it is `txinbox_outbox` ([`migrate_sqlite`](crate::migrate_sqlite));
+//! SQLite has one writer and no notifications, so a relay takes a time-limited *lease* on the
+//! rows it claims (a short write transaction), publishes with no lock held (writers are not
+//! blocked while the broker confirms), marks the rows in a second short transaction, and looks
+//! for new rows every `poll_interval`. The guarantees above hold on both; what differs is in
+//! [`Relay`] ("SQLite").
 
+#[cfg(feature = "postgres")]
+mod postgres;
 mod relay;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
-pub use relay::{Backlog, Relay, RelayConfig, RelayError, RelayRound};
+pub use relay::{Backlog, OutboxPool, Relay, RelayConfig, RelayError, RelayRound};
 
 use std::fmt;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 
 use crate::message::{hex, Headers, MAX_ID_LEN};
@@ -67,8 +81,35 @@ use crate::message::{hex, Headers, MAX_ID_LEN};
 /// `IdStrategy::Header(txinbox::outbox::ID_HEADER.into())`.
 pub const ID_HEADER: &str = "message-id";
 
+/// The databases an outbox can live in: [`sqlx::Postgres`] (feature `postgres`) and
+/// [`sqlx::Sqlite`] (feature `sqlite`). Sealed: [`write()`] and [`Relay`] know their SQL.
+pub trait OutboxDatabase: sqlx::Database + sealed::Sealed {}
+
+pub(crate) mod sealed {
+    use super::*;
+
+    /// For the row holding a message's ID: whether its destination, key and payload are the
+    /// same as the message's.
+    pub type Differs = (bool, bool, bool);
+
+    /// The database-specific half of [`write()`](super::write).
+    pub trait Sealed {
+        /// Inserts the row, or finds the one that holds its ID and says whether destination,
+        /// key and payload are the same (`None`: the identical message is there already).
+        fn insert<'e, 'c: 'e, E>(
+            executor: E,
+            message: &'e OutboxMessage,
+            headers: &'e Headers,
+        ) -> BoxFuture<'e, Result<Option<Differs>, sqlx::Error>>
+        where
+            E: sqlx::Executor<'c, Database = Self> + 'e,
+            Self: sqlx::Database;
+    }
+}
+
 /// The PostgreSQL `NOTIFY` channel a trigger on `txinbox.outbox` signals after each inserting
 /// statement (delivered when its transaction commits).
+#[cfg(feature = "postgres")]
 pub const NOTIFY_CHANNEL: &str = "txinbox_outbox";
 
 /// Derives a downstream message ID from the message being handled: the lowercase hex SHA-256
@@ -204,8 +245,8 @@ pub enum WriteError {
         /// What differs: `destination`, `key` or `payload`.
         differs: &'static str,
     },
-    /// The database refused the insert; the transaction is aborted (was `txinbox::migrate`
-    /// run?).
+    /// The database refused the insert; the transaction is aborted (was `txinbox::migrate` or
+    /// `txinbox::migrate_sqlite` run?).
     Database(sqlx::Error),
 }
 
@@ -221,7 +262,8 @@ impl fmt::Display for WriteError {
             ),
             WriteError::Database(e) => write!(
                 f,
-                "writing the outbox row failed: {e} (if txinbox.outbox is missing, run txinbox::migrate)"
+                "writing the outbox row failed: {e} (if the outbox table is missing, run \
+                 txinbox::migrate or txinbox::migrate_sqlite)"
             ),
         }
     }
@@ -244,22 +286,10 @@ impl WriteError {
     }
 }
 
-/// Inserts the row, or, when its ID is taken by a row with another destination, key or payload,
-/// touches that row (a no-op update, so the statement can report it) and returns what differs.
-/// The same message written again returns no row. ON CONFLICT DO UPDATE, unlike a separate
-/// read, sees a conflicting row that a concurrent transaction committed while this one waited.
-const INSERT: &str = "\
-INSERT INTO txinbox.outbox AS o (message_id, destination, message_key, payload, header_names, header_values)
-VALUES ($1, $2, $3, $4, $5, $6)
-ON CONFLICT (message_id) DO UPDATE SET message_id = EXCLUDED.message_id
-    WHERE o.destination <> EXCLUDED.destination
-       OR o.message_key IS DISTINCT FROM EXCLUDED.message_key
-       OR o.payload <> EXCLUDED.payload
-RETURNING o.destination = $2, o.message_key IS NOT DISTINCT FROM $3, o.payload = $4";
-
 /// Writes `message` into the outbox on `executor` — normally the handler's transaction
-/// (`cx.db()`, or use `Context::outbox`) or any sqlx transaction (`&mut *tx`); on a pool it is
-/// a transaction of its own. The row is published only if that transaction commits.
+/// (`cx.db()`, or use `Context::outbox`) or any sqlx transaction (`&mut *tx`), PostgreSQL or
+/// SQLite; on a pool it is a transaction of its own. The row is published only if that
+/// transaction commits.
 ///
 /// Returns `true` if a row was inserted, `false` if the same message (same ID, destination,
 /// key and payload) is in the outbox already: a handler that writes one derived ID twice is
@@ -273,7 +303,8 @@ RETURNING o.destination = $2, o.message_key IS NOT DISTINCT FROM $3, o.payload =
 /// again and is published again: the downstream inbox deduplicates it.
 pub async fn write<'c, E>(executor: E, message: &OutboxMessage) -> Result<bool, WriteError>
 where
-    E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+    E: sqlx::Executor<'c>,
+    E::Database: OutboxDatabase,
 {
     message.validate()?;
     #[cfg(feature = "otel")]
@@ -282,15 +313,7 @@ where
     let headers = traced.as_ref().unwrap_or(&message.headers);
     #[cfg(not(feature = "otel"))]
     let headers = &message.headers;
-    let (names, values): (Vec<&str>, Vec<&[u8]>) = headers.iter().unzip();
-    let row: Option<(bool, bool, bool)> = sqlx::query_as(INSERT)
-        .bind(&message.message_id)
-        .bind(&message.destination)
-        .bind(message.key.as_deref())
-        .bind(message.payload.as_ref())
-        .bind(names)
-        .bind(values)
-        .fetch_optional(executor)
+    let row = <E::Database as sealed::Sealed>::insert(executor, message, headers)
         .await
         .map_err(WriteError::Database)?;
     let differs = match row {

@@ -6,13 +6,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use metrics::{Counter, Gauge};
+#[cfg(feature = "postgres")]
 use sqlx::postgres::{PgListener, PgPool};
-use sqlx::Row;
+#[cfg(feature = "sqlite")]
+use sqlx::sqlite::SqlitePool;
 
-use super::{OutboxMessage, PublishError, Publisher, NOTIFY_CHANNEL};
-use crate::message::Headers;
+use super::{OutboxMessage, PublishError, Publisher};
 use crate::retry::RetryPolicy;
 use crate::telemetry;
 
@@ -64,6 +64,7 @@ impl RelayConfig {
 
     /// How often the relay looks for due rows without a notification: the fallback when a
     /// `NOTIFY` is lost (listener reconnect) and the clock for retries coming due. Default 1 s.
+    /// On SQLite, which has no notifications, this is how long a new row can wait.
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
         self
@@ -74,7 +75,8 @@ impl RelayConfig {
     /// next round, no attempt counted). Default 20 s. The claim transaction stays open while
     /// publishing — up to twice this — so keep twice this below the pool's
     /// `idle_in_transaction_session_timeout` (60 s with `PostgresInbox::connect_options`).
-    /// A round the server cuts off is not lost: its rows are published again.
+    /// A round the server cuts off is not lost: its rows are published again. On SQLite a
+    /// round's claim (its lease) lasts twice this plus 10 s.
     pub fn publish_timeout(mut self, d: Duration) -> Self {
         self.publish_timeout = d;
         self
@@ -270,8 +272,26 @@ impl Metrics {
 /// A running relay holds two connections of its pool: the listener's, and the round's
 /// transaction (held while publishing: a round starts no publish after `publish_timeout`, and
 /// each publish is bounded by it, so at most about twice that).
+///
+/// # SQLite
+///
+/// SQLite has one writer and no `NOTIFY`. A round claims its rows in a short `BEGIN IMMEDIATE`
+/// transaction that sets a lease on them (`leased_until`: twice `publish_timeout` plus 10 s,
+/// longer than a round can publish), publishes with no lock held — the application's writers
+/// are not blocked while the broker confirms — and marks them in a second short transaction.
+/// What is different from PostgreSQL:
+///
+/// - New rows are found by polling, every `poll_interval` (default 1 s).
+/// - A relay that dies holding a claim does not release it: its rows are published again once
+///   the lease runs out (about 50 s with the defaults), not at once.
+/// - Row IDs follow commit order (one writer), so the late-committing row described above does
+///   not exist.
+/// - Several relays on one database file share the work as on PostgreSQL, keyed rows by key;
+///   a round that outlives its lease (a stalled process) can have its rows published by
+///   another relay as well — a duplicate the downstream inbox drops.
+/// - A relay holds one connection at a time, and none while publishing.
 pub struct Relay<P> {
-    pool: PgPool,
+    pool: OutboxPool,
     publisher: Arc<P>,
     config: RelayConfig,
     metrics: Metrics,
@@ -286,10 +306,67 @@ impl<P> fmt::Debug for Relay<P> {
     }
 }
 
-struct Claimed {
-    id: i64,
-    attempts: i32,
-    message: OutboxMessage,
+/// The database an outbox lives in, for [`Relay::new`]: a `PgPool` or a `SqlitePool` converts
+/// into it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum OutboxPool {
+    /// `txinbox.outbox` in PostgreSQL ([`migrate`](crate::migrate)).
+    #[cfg(feature = "postgres")]
+    Postgres(PgPool),
+    /// `txinbox_outbox` in SQLite ([`migrate_sqlite`](crate::migrate_sqlite)).
+    #[cfg(feature = "sqlite")]
+    Sqlite(SqlitePool),
+}
+
+#[cfg(feature = "postgres")]
+impl From<PgPool> for OutboxPool {
+    fn from(pool: PgPool) -> Self {
+        OutboxPool::Postgres(pool)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl From<SqlitePool> for OutboxPool {
+    fn from(pool: SqlitePool) -> Self {
+        OutboxPool::Sqlite(pool)
+    }
+}
+
+/// A claimed row.
+pub(super) struct Claimed {
+    pub(super) id: i64,
+    pub(super) attempts: i32,
+    pub(super) message: OutboxMessage,
+}
+
+/// What a round writes back.
+#[derive(Default)]
+pub(super) struct Settlement {
+    /// Confirmed by the broker: marked published.
+    pub(super) published: Vec<i64>,
+    /// Failed attempts that count.
+    pub(super) failed: Vec<FailedRow>,
+    /// Claimed but not attempted, or failed during a broker outage (not counted): claimed again
+    /// by the next round. (PostgreSQL: the COMMIT unlocks them; SQLite: their lease is cleared.)
+    pub(super) released: Vec<i64>,
+}
+
+pub(super) struct FailedRow {
+    pub(super) id: i64,
+    pub(super) error: String,
+    pub(super) retry_in: Duration,
+    pub(super) dead: bool,
+}
+
+/// A round's claim between publishing and marking.
+enum Claim {
+    /// The transaction holding the row locks; the marks go into it.
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// The rows are leased; the marks are a transaction of their own.
+    #[cfg(feature = "sqlite")]
+    Sqlite(SqlitePool),
 }
 
 enum Outcome {
@@ -298,75 +375,20 @@ enum Outcome {
     NotAttempted,
 }
 
-const CLAIM_HEADS: &str = "\
-SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.header_names, o.header_values
-FROM txinbox.outbox o
-WHERE o.status = 'pending' AND o.next_attempt_at <= now()
-  AND (o.message_key IS NULL OR NOT EXISTS (
-        SELECT 1 FROM txinbox.outbox p
-        WHERE p.status = 'pending' AND p.destination = o.destination
-          AND p.message_key = o.message_key AND p.id < o.id))
-ORDER BY o.id
-LIMIT $1
-FOR UPDATE OF o SKIP LOCKED";
-
-// The later rows of keys whose head this transaction holds. Nobody else can hold them: another
-// relay would have to hold their head first. (`FOR UPDATE` re-checks `status` if a row changed.)
-// This statement sees a newer snapshot than the head claim: a row with a lower ID than the head
-// may have committed since (IDs are taken at insert, not commit). Then the head is not the
-// key's oldest pending row any more, and the key gets no followers this round — otherwise rows
-// written after that late row committed would be published before it.
-const CLAIM_FOLLOWERS: &str = "\
-SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.header_names, o.header_values
-FROM txinbox.outbox o
-JOIN unnest($1::text[], $2::bytea[], $3::bigint[]) AS h(destination, message_key, head)
-  ON o.destination = h.destination AND o.message_key = h.message_key AND o.id > h.head
-WHERE o.status = 'pending'
-  AND NOT EXISTS (
-        SELECT 1 FROM txinbox.outbox p
-        WHERE p.status = 'pending' AND p.destination = h.destination
-          AND p.message_key = h.message_key AND p.id < h.head)
-ORDER BY o.id
-LIMIT $4
-FOR UPDATE OF o";
-
-const MARK_PUBLISHED: &str = "\
-UPDATE txinbox.outbox
-SET status = 'published', published_at = now(), attempts = attempts + 1, last_error = NULL
-WHERE id = ANY($1)";
-
-const MARK_FAILED: &str = "\
-UPDATE txinbox.outbox
-SET attempts = attempts + 1, last_error = $2,
-    next_attempt_at = now() + make_interval(secs => $3),
-    status = CASE WHEN $4 THEN 'dead_lettered' ELSE 'pending' END
-WHERE id = $1";
-
-const PURGE: &str = "\
-DELETE FROM txinbox.outbox WHERE id IN (
-    SELECT id FROM txinbox.outbox
-    WHERE status = 'published' AND published_at < now() - make_interval(secs => $1)
-    ORDER BY published_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED)";
-
-const BACKLOG: &str = "\
-SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at))::float8, 0)
-FROM txinbox.outbox WHERE status = 'pending'";
-
 /// Longest pause between rounds while the broker looks unavailable.
 const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(30);
 
 impl<P: Publisher> Relay<P> {
-    /// A relay over the outbox in `pool`'s database (run [`migrate`](crate::migrate) first),
-    /// publishing through `publisher`.
+    /// A relay over the outbox in `pool`'s database — a `PgPool` (run
+    /// [`migrate`](crate::migrate) first) or a `SqlitePool` (run
+    /// [`migrate_sqlite`](crate::migrate_sqlite) first) — publishing through `publisher`.
     ///
     /// Metric handles are resolved here: install your recorder before.
-    pub fn new(pool: PgPool, publisher: P, config: RelayConfig) -> Result<Self, RelayError> {
+    pub fn new(pool: impl Into<OutboxPool>, publisher: P, config: RelayConfig) -> Result<Self, RelayError> {
         config.validate().map_err(RelayError::Config)?;
         let metrics = Metrics::new(&config.name);
         Ok(Relay {
-            pool,
+            pool: pool.into(),
             publisher: Arc::new(publisher),
             health: Arc::new(crate::health::RelayState::new(&config.name)),
             config,
@@ -396,7 +418,7 @@ impl<P: Publisher> Relay<P> {
         self.health.set_running(true);
         let _stopped = Stopped(self.health.clone());
         tokio::pin!(shutdown);
-        let mut listener: Option<PgListener> = None;
+        let mut listener: Option<Listener> = None;
         let far_past = Instant::now()
             .checked_sub(Duration::from_secs(3600))
             .unwrap_or_else(Instant::now);
@@ -422,8 +444,8 @@ impl<P: Publisher> Relay<P> {
                 let result = tokio::select! {
                     biased;
                     () = &mut shutdown => return Ok(()),
-                    tx = self.pool.begin() => match tx {
-                        Ok(tx) => self.round(tx).await,
+                    claim = self.claim() => match claim {
+                        Ok((rows, claim)) => self.finish(rows, claim).await,
                         Err(e) => Err(e),
                     },
                 };
@@ -502,130 +524,151 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
-    async fn listen(&self) -> Option<PgListener> {
-        let result = async {
-            let mut l = PgListener::connect_with(&self.pool).await?;
-            l.listen(NOTIFY_CHANNEL).await?;
-            Ok::<_, sqlx::Error>(l)
-        }
-        .await;
-        match result {
-            Ok(l) => Some(l),
-            Err(e) => {
-                tracing::info!(relay = %self.config.name, error = %e, "outbox LISTEN failed; polling every {:?}", self.config.poll_interval);
-                None
-            }
+    /// Listens for new rows; `None` on SQLite (no notifications: the relay polls).
+    async fn listen(&self) -> Option<Listener> {
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            OutboxPool::Postgres(pool) => match super::postgres::listen(pool).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    tracing::info!(relay = %self.config.name, error = %e, "outbox LISTEN failed; polling every {:?}", self.config.poll_interval);
+                    None
+                }
+            },
+            #[cfg(feature = "sqlite")]
+            OutboxPool::Sqlite(_) => None,
         }
     }
 
-    /// One round: claim due rows, publish them, mark them, commit. Returns what it did.
+    /// One round: claim due rows, publish them, mark them. Returns what it did.
     /// Safe to call from several relays at once.
     pub async fn relay_once(&self) -> Result<RelayRound, sqlx::Error> {
-        self.round(self.pool.begin().await?).await
+        let (rows, claim) = self.claim().await?;
+        self.finish(rows, claim).await
     }
 
-    async fn round(
-        &self,
-        mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
-    ) -> Result<RelayRound, sqlx::Error> {
-        let mut rows = sqlx::query(CLAIM_HEADS)
-            .bind(self.config.batch_size as i64)
-            .fetch_all(&mut *tx)
-            .await?
-            .into_iter()
-            .map(claimed)
-            .collect::<Result<Vec<_>, _>>()?;
-        if rows.is_empty() {
-            tx.commit().await?;
-            return Ok(RelayRound::default());
-        }
-        let room = self.config.batch_size.saturating_sub(rows.len());
-        let keyed: Vec<&Claimed> = rows.iter().filter(|r| r.message.key.is_some()).collect();
-        if room > 0 && !keyed.is_empty() {
-            let destinations: Vec<&str> = keyed.iter().map(|r| r.message.destination.as_str()).collect();
-            let keys: Vec<&[u8]> = keyed
-                .iter()
-                .map(|r| r.message.key.as_deref().unwrap_or_default())
-                .collect();
-            let heads: Vec<i64> = keyed.iter().map(|r| r.id).collect();
-            let followers = sqlx::query(CLAIM_FOLLOWERS)
-                .bind(destinations)
-                .bind(keys)
-                .bind(heads)
-                .bind(room as i64)
-                .fetch_all(&mut *tx)
-                .await?;
-            for row in followers {
-                rows.push(claimed(row)?);
+    /// Claims due rows. Cancellation-safe: a claim dropped before it returns is rolled back
+    /// (on SQLite, dropped between its COMMIT and its return, the rows wait for their lease to
+    /// run out).
+    async fn claim(&self) -> Result<(Vec<Claimed>, Claim), sqlx::Error> {
+        let limit = self.config.batch_size;
+        match &self.pool {
+            #[cfg(feature = "postgres")]
+            OutboxPool::Postgres(pool) => {
+                let mut tx = pool.begin().await?;
+                let rows = super::postgres::claim(&mut tx, limit).await?;
+                Ok((rows, Claim::Postgres(tx)))
+            }
+            #[cfg(feature = "sqlite")]
+            OutboxPool::Sqlite(pool) => {
+                let rows = super::sqlite::claim(pool, limit, self.lease()).await?;
+                Ok((rows, Claim::Sqlite(pool.clone())))
             }
         }
-        rows.sort_by_key(|r| r.id);
+    }
 
+    /// How long a SQLite claim lasts: longer than a round can take (it starts no publish after
+    /// `publish_timeout` and each is bounded by it), with room to mark the rows.
+    #[cfg(feature = "sqlite")]
+    fn lease(&self) -> Duration {
+        self.config.publish_timeout * 2 + Duration::from_secs(10)
+    }
+
+    /// Publishes the claimed rows and marks them. Not to be cancelled once started (the run
+    /// loop never does): a dropped round publishes its rows again later.
+    async fn finish(&self, rows: Vec<Claimed>, claim: Claim) -> Result<RelayRound, sqlx::Error> {
+        if rows.is_empty() {
+            match claim {
+                #[cfg(feature = "postgres")]
+                Claim::Postgres(tx) => tx.commit().await?,
+                #[cfg(feature = "sqlite")]
+                Claim::Sqlite(_) => {}
+            }
+            return Ok(RelayRound::default());
+        }
         let outcomes = self.publish_all(&rows).await;
+        let (settlement, mut round) = self.settlement(&rows, outcomes);
+        if !settlement.published.is_empty() {
+            crate::crash::hit(crate::crash::RELAY_PUBLISHED);
+        }
+        match claim {
+            #[cfg(feature = "postgres")]
+            Claim::Postgres(mut tx) => {
+                super::postgres::settle(&mut tx, &settlement).await?;
+                tx.commit().await?;
+            }
+            #[cfg(feature = "sqlite")]
+            Claim::Sqlite(pool) => super::sqlite::settle(&pool, &settlement).await?,
+        }
+        round.published = settlement.published.len();
+        self.metrics.published.increment(round.published as u64);
+        self.metrics.failures.increment(round.failed as u64);
+        self.metrics.dead_letters.increment(round.dead_lettered as u64);
+        Ok(round)
+    }
+
+    /// Decides what the outcomes mean for each row (and logs the failures).
+    fn settlement(&self, rows: &[Claimed], outcomes: Vec<Outcome>) -> (Settlement, RelayRound) {
         let mut round = RelayRound {
             claimed: rows.len(),
             ..RelayRound::default()
         };
-        let published: Vec<i64> = rows
+        let mut settlement = Settlement::default();
+        let failures = outcomes
             .iter()
-            .zip(&outcomes)
-            .filter(|(_, o)| matches!(o, Outcome::Published))
-            .map(|(r, _)| r.id)
-            .collect();
-        if !published.is_empty() {
-            crate::crash::hit(crate::crash::RELAY_PUBLISHED);
-            sqlx::query(MARK_PUBLISHED)
-                .bind(&published)
-                .execute(&mut *tx)
-                .await?;
-        }
-        let failures: Vec<&PublishError> = outcomes
+            .filter(|o| matches!(o, Outcome::Failed(_)))
+            .count();
+        let published = outcomes
             .iter()
-            .filter_map(|o| match o {
-                Outcome::Failed(e) => Some(e),
-                _ => None,
-            })
-            .collect();
+            .filter(|o| matches!(o, Outcome::Published))
+            .count();
         // A broker outage is not the rows' fault: it must not burn their attempts (and
         // dead-letter every key's head after a long outage). One failing row alone is counted.
-        round.broker_unavailable =
-            published.is_empty() && failures.len() >= 2 && failures.iter().all(|e| !e.is_permanent());
-        if round.broker_unavailable {
-            tracing::warn!(relay = %self.config.name, failed = failures.len(), error = %failures[0],
-                "every publish of the round failed; is the broker unavailable? attempts not counted");
-        }
-        for (row, outcome) in rows.iter().zip(&outcomes) {
-            let Outcome::Failed(e) = outcome else { continue };
+        round.broker_unavailable = published == 0
+            && failures >= 2
+            && outcomes
+                .iter()
+                .all(|o| !matches!(o, Outcome::Failed(e) if e.is_permanent()));
+        for (row, outcome) in rows.iter().zip(outcomes) {
+            let e = match outcome {
+                Outcome::Published => {
+                    settlement.published.push(row.id);
+                    continue;
+                }
+                Outcome::NotAttempted => {
+                    settlement.released.push(row.id);
+                    continue;
+                }
+                Outcome::Failed(e) => e,
+            };
+            round.failed += 1;
             if round.broker_unavailable {
-                round.failed += 1;
+                if round.failed == 1 {
+                    tracing::warn!(relay = %self.config.name, failed = failures, error = %e,
+                        "every publish of the round failed; is the broker unavailable? attempts not counted");
+                }
+                settlement.released.push(row.id);
                 continue;
             }
             let attempt = row.attempts.max(0) as u32 + 1;
             let dead = e.is_permanent() || self.config.retry.exhausted(attempt);
-            let delay = self.config.retry.delay(attempt, None);
-            sqlx::query(MARK_FAILED)
-                .bind(row.id)
-                .bind(crate::store::clean_text(&e.to_string()))
-                .bind(delay.as_secs_f64())
-                .bind(dead)
-                .execute(&mut *tx)
-                .await?;
-            round.failed += 1;
+            let retry_in = self.config.retry.delay(attempt, None);
             if dead {
                 round.dead_lettered += 1;
                 tracing::error!(relay = %self.config.name, message_id = %row.message.message_id, attempt, error = %e,
                     "outbox row dead-lettered; later rows of its key are published now");
             } else {
                 tracing::warn!(relay = %self.config.name, message_id = %row.message.message_id, attempt, error = %e,
-                    retry_in = ?delay, "outbox publish failed; retrying");
+                    retry_in = ?retry_in, "outbox publish failed; retrying");
             }
+            settlement.failed.push(FailedRow {
+                id: row.id,
+                error: crate::store::clean_text(&e.to_string()),
+                retry_in,
+                dead,
+            });
         }
-        tx.commit().await?;
-        round.published = published.len();
-        self.metrics.published.increment(round.published as u64);
-        self.metrics.failures.increment(round.failed as u64);
-        self.metrics.dead_letters.increment(round.dead_lettered as u64);
-        Ok(round)
+        (settlement, round)
     }
 
     /// Publishes claimed rows (in `id` order): each `(destination, key)` unit in order, stopping
@@ -685,14 +728,17 @@ impl<P: Publisher> Relay<P> {
     /// Deletes published rows older than the retention window, in batches of the configured
     /// size. Returns how many were deleted.
     pub async fn purge_published(&self) -> Result<u64, sqlx::Error> {
+        let (retention, batch) = (self.config.retention, self.config.retention_batch);
         let mut total = 0;
         loop {
-            let deleted = sqlx::query(PURGE)
-                .bind(self.config.retention.as_secs_f64())
-                .bind(self.config.retention_batch as i64)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+            let deleted = match &self.pool {
+                #[cfg(feature = "postgres")]
+                OutboxPool::Postgres(pool) => {
+                    super::postgres::purge(pool, retention.as_secs_f64(), batch).await?
+                }
+                #[cfg(feature = "sqlite")]
+                OutboxPool::Sqlite(pool) => super::sqlite::purge_published(pool, retention, batch).await?,
+            };
             total += deleted;
             if deleted < self.config.retention_batch as u64 {
                 return Ok(total);
@@ -702,7 +748,12 @@ impl<P: Publisher> Relay<P> {
 
     /// Counts pending rows and the age of the oldest, and sets the gauges.
     pub async fn refresh_metrics(&self) -> Result<Backlog, sqlx::Error> {
-        let (pending, age): (i64, f64) = sqlx::query_as(BACKLOG).fetch_one(&self.pool).await?;
+        let (pending, age) = match &self.pool {
+            #[cfg(feature = "postgres")]
+            OutboxPool::Postgres(pool) => super::postgres::backlog(pool).await?,
+            #[cfg(feature = "sqlite")]
+            OutboxPool::Sqlite(pool) => super::sqlite::backlog(pool).await?,
+        };
         self.metrics.pending.set(pending as f64);
         self.metrics.oldest_age.set(age);
         Ok(Backlog {
@@ -712,6 +763,12 @@ impl<P: Publisher> Relay<P> {
     }
 }
 
+/// A `LISTEN` connection (PostgreSQL only; SQLite has no notifications).
+#[cfg(feature = "postgres")]
+type Listener = PgListener;
+#[cfg(not(feature = "postgres"))]
+enum Listener {}
+
 /// Completes on a notification (having read every one queued behind it: one round serves them
 /// all) or when the listener fails (it is dropped; the relay listens again). Never without a
 /// listener. Cancellation-safe.
@@ -719,10 +776,13 @@ impl<P: Publisher> Relay<P> {
 /// The listener must be read even when the relay is busy or pausing: the server backend of an
 /// unread listener blocks on its socket and holds back the server's NOTIFY queue for every
 /// database, and once that queue is full every writer's COMMIT fails.
-async fn notified(listener: &mut Option<PgListener>) {
+async fn notified(listener: &mut Option<Listener>) {
     let Some(l) = listener.as_mut() else {
         return std::future::pending().await;
     };
+    #[cfg(not(feature = "postgres"))]
+    match *l {}
+    #[cfg(feature = "postgres")]
     match l.recv().await {
         Ok(_) => while l.next_buffered().is_some() {},
         Err(e) => {
@@ -733,8 +793,11 @@ async fn notified(listener: &mut Option<PgListener>) {
 }
 
 /// Reads the notifications already received, without waiting (see [`notified`]).
-fn read_queued(listener: &mut Option<PgListener>) {
+fn read_queued(listener: &mut Option<Listener>) {
     let Some(l) = listener.as_mut() else { return };
+    #[cfg(not(feature = "postgres"))]
+    match *l {}
+    #[cfg(feature = "postgres")]
     loop {
         match futures::FutureExt::now_or_never(l.try_recv()) {
             Some(Ok(_)) => {}
@@ -745,26 +808,4 @@ fn read_queued(listener: &mut Option<PgListener>) {
             None => return,
         }
     }
-}
-
-fn claimed(row: sqlx::postgres::PgRow) -> Result<Claimed, sqlx::Error> {
-    let names: Vec<String> = row.try_get("header_names")?;
-    let values: Vec<Vec<u8>> = row.try_get("header_values")?;
-    let mut headers = Headers::new();
-    for (n, v) in names.into_iter().zip(values) {
-        headers.insert(n, v);
-    }
-    let key: Option<Vec<u8>> = row.try_get("message_key")?;
-    let payload: Vec<u8> = row.try_get("payload")?;
-    Ok(Claimed {
-        id: row.try_get("id")?,
-        attempts: row.try_get("attempts")?,
-        message: OutboxMessage {
-            message_id: row.try_get("message_id")?,
-            destination: row.try_get("destination")?,
-            key: key.map(Bytes::from),
-            payload: Bytes::from(payload),
-            headers,
-        },
-    })
 }

@@ -12,6 +12,9 @@ use sqlx::{ConnectOptions, Executor};
 use txinbox::outbox::{self, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use txinbox::{async_trait, Headers, RetryPolicy};
 
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
 fn admin_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
@@ -215,7 +218,14 @@ async fn rows_follow_their_transaction_and_ids_are_written_once() {
 
 /// Writes `per_key` rows for each of `keys` keys, interleaved, each in its own transaction
 /// (like a consumer processing one key after another).
-async fn write_interleaved(pool: &PgPool, keys: usize, per_key: usize) -> usize {
+async fn write_interleaved<DB: outbox::OutboxDatabase>(
+    pool: &sqlx::Pool<DB>,
+    keys: usize,
+    per_key: usize,
+) -> usize
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+{
     let mut n = 0;
     for i in 0..per_key {
         for k in 0..keys {

@@ -1,0 +1,300 @@
+//! The outbox on SQLite (`txinbox_outbox`): the insert behind [`write`](super::write) and the
+//! relay's statements.
+//!
+//! SQLite has one writer. Holding it while a broker confirms would stop every other writer (the
+//! application's own transactions) for up to the publish timeout, so a round works in three
+//! steps: a short `BEGIN IMMEDIATE` transaction claims due rows by setting `leased_until`; the
+//! rows are published with no lock held; a second short transaction marks them and clears the
+//! lease. A row whose lease ran out (its relay died) is claimed again, as PostgreSQL's row
+//! locks are released when a relay's connection dies.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::future::BoxFuture;
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::{Row, Sqlite, SqliteConnection};
+
+use super::relay::{Claimed, Settlement};
+use super::{sealed, OutboxDatabase, OutboxMessage};
+use crate::message::Headers;
+
+impl OutboxDatabase for Sqlite {}
+
+/// See PostgreSQL's INSERT: the identical message again returns no row; a row holding the ID
+/// with another destination, key or payload is touched (a no-op update) so that it is returned.
+const INSERT: &str = "\
+INSERT INTO txinbox_outbox (message_id, destination, message_key, payload, headers)
+VALUES (?1, ?2, ?3, ?4, ?5)
+ON CONFLICT (message_id) DO UPDATE SET message_id = excluded.message_id
+    WHERE txinbox_outbox.destination <> excluded.destination
+       OR txinbox_outbox.message_key IS NOT excluded.message_key
+       OR txinbox_outbox.payload <> excluded.payload
+RETURNING destination = ?2, message_key IS ?3, payload = ?4";
+
+impl sealed::Sealed for Sqlite {
+    fn insert<'e, 'c: 'e, E>(
+        executor: E,
+        message: &'e OutboxMessage,
+        headers: &'e Headers,
+    ) -> BoxFuture<'e, Result<Option<sealed::Differs>, sqlx::Error>>
+    where
+        E: sqlx::Executor<'c, Database = Self> + 'e,
+    {
+        Box::pin(
+            sqlx::query_as(INSERT)
+                .bind(&message.message_id)
+                .bind(&message.destination)
+                .bind(message.key.as_deref())
+                .bind(message.payload.as_ref())
+                .bind(encode_headers(headers))
+                .fetch_optional(executor),
+        )
+    }
+}
+
+/// The current time in Unix milliseconds, as the migration's defaults take it.
+macro_rules! now_ms {
+    () => {
+        "CAST(unixepoch('subsec') * 1000 AS INTEGER)"
+    };
+}
+
+/// Due heads of their keys (or rows without a key) that no live lease holds. A leased head
+/// stays `pending`, so it is still the head of its key: no other relay takes a later row of it.
+const CLAIM_HEADS: &str = concat!(
+    "SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.headers
+     FROM txinbox_outbox o
+     WHERE o.status = 'pending' AND o.next_attempt_at <= ",
+    now_ms!(),
+    "
+       AND (o.leased_until IS NULL OR o.leased_until <= ",
+    now_ms!(),
+    ")
+       AND (o.message_key IS NULL OR NOT EXISTS (
+             SELECT 1 FROM txinbox_outbox p
+             WHERE p.status = 'pending' AND p.destination = o.destination
+               AND p.message_key = o.message_key AND p.id < o.id))
+     ORDER BY o.id
+     LIMIT ?1"
+);
+
+/// The later pending rows of one claimed head's key.
+const CLAIM_FOLLOWERS: &str = "\
+SELECT id, attempts, message_id, destination, message_key, payload, headers
+FROM txinbox_outbox
+WHERE status = 'pending' AND destination = ?1 AND message_key = ?2 AND id > ?3
+ORDER BY id
+LIMIT ?4";
+
+const LEASE: &str = concat!(
+    "UPDATE txinbox_outbox SET leased_until = ",
+    now_ms!(),
+    " + ?2
+     WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+const MARK_PUBLISHED: &str = concat!(
+    "UPDATE txinbox_outbox
+     SET status = 'published', published_at = ",
+    now_ms!(),
+    ", attempts = attempts + 1,
+         last_error = NULL, leased_until = NULL
+     WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+const MARK_FAILED: &str = concat!(
+    "UPDATE txinbox_outbox
+     SET attempts = attempts + 1, last_error = ?2, next_attempt_at = ",
+    now_ms!(),
+    " + ?3,
+         status = CASE WHEN ?4 THEN 'dead_lettered' ELSE 'pending' END, leased_until = NULL
+     WHERE id = ?1"
+);
+
+const RELEASE: &str =
+    "UPDATE txinbox_outbox SET leased_until = NULL WHERE id IN (SELECT value FROM json_each(?1))";
+
+const PURGE: &str = concat!(
+    "DELETE FROM txinbox_outbox WHERE id IN (
+         SELECT id FROM txinbox_outbox
+         WHERE status = 'published' AND published_at < ",
+    now_ms!(),
+    " - ?1
+         ORDER BY published_at
+         LIMIT ?2)"
+);
+
+const BACKLOG: &str = concat!(
+    "SELECT count(*), coalesce((",
+    now_ms!(),
+    " - min(created_at)) / 1000.0, 0.0)
+     FROM txinbox_outbox WHERE status = 'pending'"
+);
+
+async fn begin(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, Sqlite>, sqlx::Error> {
+    pool.begin_with("BEGIN IMMEDIATE").await
+}
+
+/// Claims up to `limit` due rows for `lease`: the heads of their keys, then the later rows of the
+/// claimed keys, in one write transaction. Sorted by ID.
+pub(super) async fn claim(
+    pool: &SqlitePool,
+    limit: usize,
+    lease_for: Duration,
+) -> Result<Vec<Claimed>, sqlx::Error> {
+    let mut tx = begin(pool).await?;
+    let mut rows = sqlx::query(CLAIM_HEADS)
+        .bind(limit as i64)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(claimed)
+        .collect::<Result<Vec<_>, _>>()?;
+    if rows.is_empty() {
+        tx.commit().await?;
+        return Ok(rows);
+    }
+    let heads: Vec<(String, Bytes, i64)> = rows
+        .iter()
+        .filter_map(|r| Some((r.message.destination.clone(), r.message.key.clone()?, r.id)))
+        .collect();
+    for (destination, key, head) in heads {
+        let room = limit.saturating_sub(rows.len());
+        if room == 0 {
+            break;
+        }
+        let followers = sqlx::query(CLAIM_FOLLOWERS)
+            .bind(destination)
+            .bind(key.as_ref())
+            .bind(head)
+            .bind(room as i64)
+            .fetch_all(&mut *tx)
+            .await?;
+        for row in followers {
+            rows.push(claimed(row)?);
+        }
+    }
+    rows.sort_by_key(|r| r.id);
+    let ids = json_ids(rows.iter().map(|r| r.id));
+    sqlx::query(LEASE)
+        .bind(ids)
+        .bind(lease_for.as_millis() as i64)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(rows)
+}
+
+/// Marks the round's rows and clears their leases, in one write transaction.
+pub(super) async fn settle(pool: &SqlitePool, settlement: &Settlement) -> Result<(), sqlx::Error> {
+    let mut tx = begin(pool).await?;
+    mark(&mut tx, settlement).await?;
+    tx.commit().await
+}
+
+async fn mark(conn: &mut SqliteConnection, settlement: &Settlement) -> Result<(), sqlx::Error> {
+    if !settlement.published.is_empty() {
+        sqlx::query(MARK_PUBLISHED)
+            .bind(json_ids(settlement.published.iter().copied()))
+            .execute(&mut *conn)
+            .await?;
+    }
+    for f in &settlement.failed {
+        sqlx::query(MARK_FAILED)
+            .bind(f.id)
+            .bind(&f.error)
+            .bind(f.retry_in.as_millis() as i64)
+            .bind(f.dead)
+            .execute(&mut *conn)
+            .await?;
+    }
+    if !settlement.released.is_empty() {
+        sqlx::query(RELEASE)
+            .bind(json_ids(settlement.released.iter().copied()))
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+pub(super) async fn purge_published(
+    pool: &SqlitePool,
+    retention: Duration,
+    batch: usize,
+) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(PURGE)
+        .bind(retention.as_millis() as i64)
+        .bind(batch as i64)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+pub(super) async fn backlog(pool: &SqlitePool) -> Result<(i64, f64), sqlx::Error> {
+    sqlx::query_as(BACKLOG).fetch_one(pool).await
+}
+
+fn json_ids(ids: impl Iterator<Item = i64>) -> String {
+    let ids: Vec<String> = ids.map(|id| id.to_string()).collect();
+    format!("[{}]", ids.join(","))
+}
+
+/// Headers as one BLOB: `len(name) ‖ name ‖ len(value) ‖ value` per header, lengths as 4-byte
+/// big-endian (the format txinbox-http's SQLite store uses for stored responses).
+fn encode_headers(headers: &Headers) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (name, value) in headers.iter() {
+        for part in [name.as_bytes(), value] {
+            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out
+}
+
+fn decode_headers(mut b: &[u8]) -> Headers {
+    fn take<'a>(b: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let len = u32::from_be_bytes(b.get(..4)?.try_into().ok()?) as usize;
+        let part = b.get(4..4 + len)?;
+        *b = &b[4 + len..];
+        Some(part)
+    }
+    let mut headers = Headers::new();
+    while let (Some(n), Some(v)) = (take(&mut b), take(&mut b)) {
+        headers.insert(String::from_utf8_lossy(n).into_owned(), v.to_vec());
+    }
+    headers
+}
+
+fn claimed(row: SqliteRow) -> Result<Claimed, sqlx::Error> {
+    let key: Option<Vec<u8>> = row.try_get("message_key")?;
+    let payload: Vec<u8> = row.try_get("payload")?;
+    let headers: Vec<u8> = row.try_get("headers")?;
+    Ok(Claimed {
+        id: row.try_get("id")?,
+        attempts: row.try_get("attempts")?,
+        message: OutboxMessage {
+            message_id: row.try_get("message_id")?,
+            destination: row.try_get("destination")?,
+            key: key.map(Bytes::from),
+            payload: Bytes::from(payload),
+            headers: decode_headers(&headers),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_in_order() {
+        let h = Headers::new()
+            .with("b", "2")
+            .with("a", Vec::<u8>::new())
+            .with("é", vec![0u8, 255]);
+        assert_eq!(decode_headers(&encode_headers(&h)), h);
+        assert_eq!(decode_headers(&[]), Headers::new());
+    }
+}
