@@ -12,15 +12,17 @@
 //!   `422`; see the txinbox-http crate docs for the whole table.
 //! - `GET /accounts/<id>` with the same `Authorization` → `200 {"account", "balance_cents"}`
 //!   (`0` for an unknown account).
-//! - Each payment writes an outbox message (topic `--topic`, key = account) in its
-//!   transaction; with `--publish-kafka BROKERS` a relay publishes them to Kafka, where a
-//!   txinbox consumer deduplicating on the `message-id` header gets each payment once.
+//! - Each payment writes an outbox message (destination `--topic`, key = tenant/account) in its
+//!   transaction. With `--publish-kafka BROKERS` a relay publishes them to that Kafka topic;
+//!   with `--publish-amqp URL` to the RabbitMQ queue of that name (declared durable if
+//!   missing). A txinbox consumer deduplicating on the message ID (Kafka header `message-id`,
+//!   AMQP `message_id`) gets each payment once. Without either they stay in the outbox table.
 //! - Ctrl-C or SIGTERM stops it gracefully (in-flight requests finish).
 //!
 //! Store: PostgreSQL with `--database-url` or `DATABASE_URL` (tables in the schema `payments`,
 //! created if missing); without a URL, the embedded SQLite store in `--sqlite-path`
-//! (`payments_api.db`), where the same contract holds except that no outbox message is written
-//! (txinbox's outbox is PostgreSQL only) and concurrent requests queue for SQLite's one writer.
+//! (`payments_api.db`), where the same contract holds and concurrent requests queue for
+//! SQLite's one writer.
 //!
 //! `--bench` (PostgreSQL) measures `POST /payments` in process with the layer beside the same
 //! endpoint without it and prints a table instead of serving.
@@ -31,6 +33,7 @@
 //! cargo run --release --example payments_api -- --listen 127.0.0.1:8080   # embedded store
 //! cargo run --release --example payments_api -- --listen 127.0.0.1:8080 \
 //!     --database-url postgres://postgres@127.0.0.1:5432/postgres [--publish-kafka 127.0.0.1:9092]
+//! cargo run --release --example payments_api -- --publish-amqp amqp://guest:guest@127.0.0.1:5672/%2f
 //! cargo run --release --example payments_api -- --bench --database-url URL [--requests 5000 --concurrency 8 --rounds 3]
 //! curl -si localhost:8080/payments -H 'Authorization: Bearer acme' -H 'Idempotency-Key: k1' \
 //!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
@@ -51,7 +54,7 @@ use clap::Parser;
 use serde::Deserialize;
 use serde_json::json;
 use tracing_subscriber::EnvFilter;
-use txinbox::outbox::{OutboxMessage, Relay, RelayConfig};
+use txinbox::outbox::{OutboxMessage, OutboxPool, Relay, RelayConfig, RelayError};
 use txinbox::sqlx::postgres::PgPoolOptions;
 use txinbox::sqlx::{self, Executor as _, PgPool, Sqlite, SqlitePool};
 use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
@@ -69,9 +72,13 @@ struct Args {
     #[arg(long, default_value = "payments_api.db")]
     sqlite_path: std::path::PathBuf,
     /// Publish the outbox to these Kafka brokers (host:port[,host:port]).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "publish_amqp")]
     publish_kafka: Option<String>,
-    /// Topic (outbox destination) of the payment events.
+    /// Publish the outbox to RabbitMQ at this URL (amqp://user:password@host:5672/vhost), to
+    /// the queue named by `--topic`.
+    #[arg(long)]
+    publish_amqp: Option<String>,
+    /// Kafka topic, or RabbitMQ queue, of the payment events (the outbox destination).
     #[arg(long, default_value = "payments.created")]
     topic: String,
     /// Database connections.
@@ -221,18 +228,26 @@ async fn pay(
     .fetch_one(&mut *conn)
     .await
     .map_err(internal)?;
-    let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
-    let message =
-        OutboxMessage::new(event_id, topic, event.to_string()).with_key(format!("{tenant}/{}", p.account));
-    txinbox::outbox::write(&mut *conn, &message).await.map_err(|e| {
-        tracing::error!(error = %e, "outbox write failed; rolled back");
-        problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
-            "the payment failed; retry with the same key",
-        )
-    })?;
+    let message = payment_event(topic, tenant, payment_id, event_id, &p);
+    txinbox::outbox::write(&mut *conn, &message)
+        .await
+        .map_err(outbox_failed)?;
     Ok(created(payment_id, &p, balance))
+}
+
+/// The payment's event: one outbox message, keyed by tenant and account (their order).
+fn payment_event(topic: &str, tenant: &str, payment_id: &str, event_id: &str, p: &Payment) -> OutboxMessage {
+    let event = json!({"tenant": tenant, "payment_id": payment_id, "account": p.account, "amount_cents": p.amount_cents});
+    OutboxMessage::new(event_id, topic, event.to_string()).with_key(format!("{tenant}/{}", p.account))
+}
+
+fn outbox_failed(e: txinbox::outbox::WriteError) -> Response {
+    tracing::error!(error = %e, "outbox write failed; rolled back");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        "the payment failed; retry with the same key",
+    )
 }
 
 async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): Path<String>) -> Response {
@@ -496,11 +511,9 @@ impl Transport {
     }
 }
 
-/// The embedded store: the same contract on SQLite, without the outbox (PostgreSQL only).
-async fn serve_embedded(
-    listen: SocketAddr,
-    path: &std::path::Path,
-) -> Result<(), Box<dyn std::error::Error>> {
+/// The embedded store: the same contract on SQLite.
+async fn serve_embedded(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let path = &args.sqlite_path;
     use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
     let options = txinbox::SqliteInbox::connect_options(
         SqliteConnectOptions::new().filename(path).create_if_missing(true),
@@ -519,22 +532,34 @@ async fn serve_embedded(
              amount_cents INTEGER NOT NULL);",
     )
     .await?;
-    tracing::info!(path = %path.display(), "embedded SQLite store; payment events are not written (the outbox needs PostgreSQL)");
+    tracing::info!(path = %path.display(), "embedded SQLite store");
+    let relay = start_relay(pool.clone(), args).await?;
     let idempotent = IdempotencyLayer::new(pool.clone()).principal(|parts| tenant(&parts.headers));
     let app = Router::new()
         .route("/payments", post(create_payment_sqlite).layer(idempotent))
         .route("/accounts/{id}", get(get_account_sqlite))
-        .with_state(pool.clone());
-    let listener = tokio::net::TcpListener::bind(listen).await?;
+        .with_state(EmbeddedApp {
+            pool: pool.clone(),
+            topic: args.topic.clone(),
+        });
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    relay.stop().await;
     pool.close().await;
     Ok(())
 }
 
+#[derive(Clone)]
+struct EmbeddedApp {
+    pool: SqlitePool,
+    topic: String,
+}
+
 async fn create_payment_sqlite(
+    State(app): State<EmbeddedApp>,
     Extension(cx): Extension<IdempotencyContext>,
     mut tx: IdempotentTx<Sqlite>,
     body: Bytes,
@@ -543,6 +568,9 @@ async fn create_payment_sqlite(
     let tenant = cx.principal().unwrap_or_default().to_owned();
     let payment_id = cx
         .derive_id("payment")
+        .expect("the key is required on this route");
+    let event_id = cx
+        .derive_id("payment-created")
         .expect("the key is required on this route");
     sqlx::query(
         "INSERT INTO payments_payments (payment_id, tenant, account, amount_cents) VALUES (?1, ?2, ?3, ?4)",
@@ -565,11 +593,15 @@ async fn create_payment_sqlite(
     .fetch_one(&mut *tx)
     .await
     .map_err(internal)?;
+    let message = payment_event(&app.topic, &tenant, &payment_id, &event_id, &p);
+    txinbox::outbox::write(&mut *tx, &message)
+        .await
+        .map_err(outbox_failed)?;
     Ok(created(&payment_id, &p, balance))
 }
 
 async fn get_account_sqlite(
-    State(pool): State<SqlitePool>,
+    State(EmbeddedApp { pool, .. }): State<EmbeddedApp>,
     headers: HeaderMap,
     Path(account): Path<String>,
 ) -> Response {
@@ -664,12 +696,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let Some(url) = args.database_url else {
-        if args.bench || args.publish_kafka.is_some() {
-            eprintln!("--bench and --publish-kafka need PostgreSQL: pass --database-url or set DATABASE_URL");
+    let Some(url) = args.database_url.clone() else {
+        if args.bench {
+            eprintln!("--bench needs PostgreSQL: pass --database-url or set DATABASE_URL");
             std::process::exit(2);
         }
-        return serve_embedded(args.listen, &args.sqlite_path).await;
+        return serve_embedded(&args).await;
     };
     let options = txinbox::PostgresInbox::connect_options(
         url.parse()
@@ -686,38 +718,82 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
 
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let relay = match &args.publish_kafka {
-        Some(brokers) => {
-            let publisher = txinbox_kafka::KafkaPublisher::builder(brokers.clone()).build()?;
-            let relay = Relay::new(
-                pool.clone(),
-                publisher,
-                RelayConfig::default().name("payments_api"),
-            )?;
-            let mut stop = stop_rx.clone();
-            tracing::info!(brokers, topic = %args.topic, "publishing the outbox to Kafka");
-            Some(tokio::spawn(relay.run_until(async move {
-                let _ = stop.wait_for(|s| *s).await;
-            })))
-        }
-        None => {
-            tracing::info!("no --publish-kafka: payment events stay in txinbox.outbox");
-            None
-        }
-    };
+    let relay = start_relay(pool.clone(), &args).await?;
 
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
     axum::serve(listener, router(pool.clone(), args.topic, false))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
-    let _ = stop_tx.send(true);
-    if let Some(relay) = relay {
-        if let Ok(Err(e)) = relay.await {
+    relay.stop().await;
+    pool.close().await;
+    Ok(())
+}
+
+/// The outbox relay, when `--publish-kafka` or `--publish-amqp` asks for one.
+struct RunningRelay(Option<RelayTask>);
+
+struct RelayTask {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), RelayError>>,
+}
+
+impl RunningRelay {
+    /// Stops the relay after its round in progress.
+    async fn stop(self) {
+        let Some(RelayTask { stop, task }) = self.0 else {
+            return;
+        };
+        let _ = stop.send(true);
+        if let Ok(Err(e)) = task.await {
             tracing::error!(error = %e, "the outbox relay failed");
         }
     }
-    pool.close().await;
+}
+
+async fn start_relay(
+    pool: impl Into<OutboxPool>,
+    args: &Args,
+) -> Result<RunningRelay, Box<dyn std::error::Error>> {
+    let config = RelayConfig::default().name("payments_api");
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+    };
+    let task = if let Some(brokers) = &args.publish_kafka {
+        let publisher = txinbox_kafka::KafkaPublisher::builder(brokers.clone()).build()?;
+        tracing::info!(brokers, topic = %args.topic, "publishing the outbox to Kafka");
+        tokio::spawn(Relay::new(pool, publisher, config)?.run_until(stopped))
+    } else if let Some(url) = &args.publish_amqp {
+        // Connecting first checks the URL (its errors never quote the password).
+        let publisher = txinbox_amqp::AmqpPublisher::connect(url.clone()).await?;
+        declare_queue(url, &args.topic).await?;
+        tracing::info!(queue = %args.topic, "publishing the outbox to RabbitMQ");
+        tokio::spawn(Relay::new(pool, publisher, config)?.run_until(stopped))
+    } else {
+        tracing::info!("no --publish-kafka or --publish-amqp: payment events stay in the outbox table");
+        return Ok(RunningRelay(None));
+    };
+    Ok(RunningRelay(Some(RelayTask { stop: stop_tx, task })))
+}
+
+/// Declares `queue` durable on the default exchange, so payment events are routable (the
+/// publisher counts an unroutable message as not delivered).
+async fn declare_queue(url: &str, queue: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use txinbox_amqp::lapin::{
+        options::QueueDeclareOptions, types::FieldTable, Connection, ConnectionProperties,
+    };
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .map_err(|e| format!("--publish-amqp: cannot connect to RabbitMQ ({e})"))?;
+    let channel = conn.create_channel().await?;
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), durable, FieldTable::default())
+        .await?;
+    conn.close(0, "declared".into()).await?;
     Ok(())
 }

@@ -1,9 +1,11 @@
 //! The `payments_api` example as a process, over real sockets: the contract of issue 16 (first
 //! call, replay, mismatch, missing key, not a payment, balances per tenant) on the embedded
-//! store and on PostgreSQL, and a graceful stop on SIGTERM.
+//! store and on PostgreSQL, one outbox message per payment on both, the embedded store's
+//! payment events published to RabbitMQ (`--publish-amqp`), and a graceful stop on SIGTERM.
 //!
 //! Uses the example binary `cargo test` builds beside this test (`target/<profile>/examples/`);
-//! skipped with a message if it is not there. PostgreSQL at `DATABASE_URL` for the second run.
+//! skipped with a message if it is not there. PostgreSQL at `DATABASE_URL` and RabbitMQ at
+//! `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -157,17 +159,133 @@ fn contract(s: &Server) {
     assert!(!head.contains("idempotent-replayed"));
 }
 
-#[test]
-fn payments_api_on_the_embedded_store() {
-    let path = std::env::temp_dir().join(format!("txinbox_http_payments_{}.db", std::process::id()));
+fn fresh_sqlite_path(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("txinbox_http_{name}_{}.db", std::process::id()));
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
+    path
+}
+
+/// `(message_id, status)` of every row of the embedded store's outbox.
+fn sqlite_outbox(path: &std::path::Path) -> Vec<(String, String)> {
+    use txinbox::sqlx;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display()))
+            .await
+            .unwrap();
+        let rows = sqlx::query_as("SELECT message_id, status FROM txinbox_outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        pool.close().await;
+        rows
+    })
+}
+
+#[test]
+fn payments_api_on_the_embedded_store() {
+    let path = fresh_sqlite_path("payments");
     let Some(server) = Server::start(&["--sqlite-path", path.to_str().unwrap()], None) else {
         return;
     };
     contract(&server);
     server.stop();
+    // One outbox message per payment (3), none for the replay, the 422 or the 400s; no relay
+    // was asked for, so they wait.
+    let outbox = sqlite_outbox(&path);
+    assert_eq!(outbox.len(), 3, "{outbox:?}");
+    assert!(outbox.iter().all(|(_, status)| status == "pending"), "{outbox:?}");
+}
+
+/// HTTP → SQLite outbox → RabbitMQ: each payment's event reaches the queue once, with its
+/// outbox ID as `message_id`, and is marked published.
+#[test]
+fn payments_api_publishes_the_embedded_stores_events_to_rabbitmq() {
+    use txinbox_amqp::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
+    use txinbox_amqp::lapin::{Connection, ConnectionProperties};
+    let amqp = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let queue = format!("txinbox_http_payments_{}", std::process::id());
+    let path = fresh_sqlite_path("payments_amqp");
+    let Some(server) = Server::start(
+        &[
+            "--sqlite-path",
+            path.to_str().unwrap(),
+            "--publish-amqp",
+            &amqp,
+            "--topic",
+            &queue,
+        ],
+        None,
+    ) else {
+        return;
+    };
+    contract(&server);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let events = rt.block_on(async {
+        let conn = Connection::connect(&amqp, ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ at AMQP_URL");
+        let channel = conn.create_channel().await.unwrap();
+        let mut events: Vec<(String, serde_json::Value)> = Vec::new();
+        // The relay polls SQLite every second: allow it many rounds, then, once the third event
+        // is in, two seconds more to see that nothing else comes.
+        let mut deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let Some(m) = channel
+                .basic_get(queue.as_str().into(), BasicGetOptions::default())
+                .await
+                .unwrap()
+            else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let id = m
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            events.push((id, serde_json::from_slice(&m.data).unwrap()));
+            m.ack(BasicAckOptions::default()).await.unwrap();
+            if events.len() == 3 {
+                deadline = Instant::now() + Duration::from_secs(2);
+            }
+        }
+        channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+        events
+    });
+    server.stop();
+    assert_eq!(events.len(), 3, "one event per payment: {events:?}");
+    let outbox = sqlite_outbox(&path);
+    let mut published: Vec<&str> = outbox.iter().map(|(id, _)| id.as_str()).collect();
+    let mut received: Vec<&str> = events.iter().map(|(id, _)| id.as_str()).collect();
+    published.sort();
+    received.sort();
+    assert_eq!(
+        received, published,
+        "each event carries its outbox ID as message_id"
+    );
+    assert!(
+        outbox.iter().all(|(_, status)| status == "published"),
+        "{outbox:?}"
+    );
+    let mut amounts: Vec<i64> = events
+        .iter()
+        .map(|(_, e)| e["amount_cents"].as_i64().unwrap())
+        .collect();
+    amounts.sort();
+    assert_eq!(amounts, [250, 500, 500]);
 }
 
 #[test]
