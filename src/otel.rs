@@ -98,7 +98,7 @@ pub(crate) fn adopt_parent(span: &Span, headers: &Headers) {
 
 /// `headers` with the current span's context added, for an outbox row; `None` when there is
 /// nothing to add (the headers carry a `traceparent` already, or there is no current trace).
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn with_current_context(headers: &Headers) -> Option<Headers> {
     if headers.get(TRACEPARENT).is_some() {
         return None;

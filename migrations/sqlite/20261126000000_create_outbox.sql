@@ -4,8 +4,9 @@
 -- length-prefixed (name, value) pairs.
 --
 -- SQLite has one writer, so row IDs follow commit order. A relay claims rows by setting
--- `leased_until` in a short write transaction, publishes without holding the write lock, and
--- marks them in a second one; a claim that outlives its lease (a relay that died) is taken over.
+-- `leased_until` and a random `lease_token` in a short write transaction, publishes without
+-- holding the write lock, and marks the rows that still carry its token in a second one; a
+-- claim that outlives its lease (a relay that died or stalled) is taken over.
 CREATE TABLE txinbox_outbox (
     id              INTEGER PRIMARY KEY,
     message_id      TEXT    NOT NULL UNIQUE,
@@ -18,6 +19,7 @@ CREATE TABLE txinbox_outbox (
     attempts        INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
     next_attempt_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
     leased_until    INTEGER,
+    lease_token     INTEGER,
     last_error      TEXT,
     created_at      INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)),
     published_at    INTEGER

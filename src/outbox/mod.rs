@@ -46,7 +46,8 @@
 //!   key are published in no particular order.
 //! - Several relays may run on one outbox: a key is published by one relay at a time (except
 //!   that a row committed after a later row of its key was claimed may be published alongside
-//!   the rows of transactions it overlapped with; see [`Relay`]).
+//!   the rows of transactions it overlapped with, and on SQLite that a round stalled past its
+//!   lease may share its rows with the next; see [`Relay`]).
 //!
 //! # PostgreSQL and SQLite
 //!
@@ -245,8 +246,9 @@ pub enum WriteError {
         /// What differs: `destination`, `key` or `payload`.
         differs: &'static str,
     },
-    /// The database refused the insert; the transaction is aborted (was `txinbox::migrate` or
-    /// `txinbox::migrate_sqlite` run?).
+    /// The database refused the insert (was `txinbox::migrate` or `txinbox::migrate_sqlite`
+    /// run?). PostgreSQL aborts the transaction; SQLite may not, so never commit a transaction
+    /// whose outbox write failed: its effects would commit without their message.
     Database(sqlx::Error),
 }
 

@@ -276,19 +276,28 @@ impl Metrics {
 /// # SQLite
 ///
 /// SQLite has one writer and no `NOTIFY`. A round claims its rows in a short `BEGIN IMMEDIATE`
-/// transaction that sets a lease on them (`leased_until`: twice `publish_timeout` plus 10 s,
-/// longer than a round can publish), publishes with no lock held — the application's writers
-/// are not blocked while the broker confirms — and marks them in a second short transaction.
-/// What is different from PostgreSQL:
+/// transaction (taken only when a plain read finds a due row, so idle polls never take the
+/// write lock) that sets a lease on them (`leased_until`: twice `publish_timeout` plus 10 s,
+/// longer than a round can publish) and a random token; it publishes with no lock held — the
+/// application's writers are not blocked while the broker confirms — and marks, in a second
+/// short transaction, the rows that still carry its token. What is different from PostgreSQL:
 ///
 /// - New rows are found by polling, every `poll_interval` (default 1 s).
 /// - A relay that dies holding a claim does not release it: its rows are published again once
-///   the lease runs out (about 50 s with the defaults), not at once.
+///   the lease runs out (about 50 s with the defaults), not at once. So is a claim dropped by
+///   shutdown between its COMMIT and its return, and a [`relay_once`](Self::relay_once) that
+///   the caller cancels.
+/// - Marking waits out a busy database (the write lock held past the busy timeout, no free
+///   connection), retrying until the lease runs out; only then is the round an error, and its
+///   confirmed rows are published again after the lease.
+/// - A round that outlives its lease (a stalled process) loses its rows to the next relay that
+///   claims them: both may publish them (a duplicate the downstream inbox drops, and the order
+///   of that key is not guaranteed across the two), but the stalled round's late marks change
+///   nothing — a failure it saw cannot dead-letter a row the other relay published.
+/// - A key whose pending rows include a leased one is not claimed by anyone else, so a row put
+///   back before them (a dead letter set to `pending` again) waits until that claim ends.
 /// - Row IDs follow commit order (one writer), so the late-committing row described above does
 ///   not exist.
-/// - Several relays on one database file share the work as on PostgreSQL, keyed rows by key;
-///   a round that outlives its lease (a stalled process) can have its rows published by
-///   another relay as well — a duplicate the downstream inbox drops.
 /// - A relay holds one connection at a time, and none while publishing.
 pub struct Relay<P> {
     pool: OutboxPool,
@@ -366,7 +375,12 @@ enum Claim {
     Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
     /// The rows are leased; the marks are a transaction of their own.
     #[cfg(feature = "sqlite")]
-    Sqlite(SqlitePool),
+    Sqlite {
+        pool: SqlitePool,
+        token: super::sqlite::LeaseToken,
+        /// When the lease runs out: marking is retried (database busy) until then.
+        until: tokio::time::Instant,
+    },
 }
 
 enum Outcome {
@@ -561,8 +575,15 @@ impl<P: Publisher> Relay<P> {
             }
             #[cfg(feature = "sqlite")]
             OutboxPool::Sqlite(pool) => {
-                let rows = super::sqlite::claim(pool, limit, self.lease()).await?;
-                Ok((rows, Claim::Sqlite(pool.clone())))
+                let now = tokio::time::Instant::now();
+                let until = now.checked_add(self.lease()).unwrap_or(now);
+                let (rows, token) = super::sqlite::claim(pool, limit, self.lease()).await?;
+                let claim = Claim::Sqlite {
+                    pool: pool.clone(),
+                    token,
+                    until,
+                };
+                Ok((rows, claim))
             }
         }
     }
@@ -571,7 +592,10 @@ impl<P: Publisher> Relay<P> {
     /// `publish_timeout` and each is bounded by it), with room to mark the rows.
     #[cfg(feature = "sqlite")]
     fn lease(&self) -> Duration {
-        self.config.publish_timeout * 2 + Duration::from_secs(10)
+        self.config
+            .publish_timeout
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(10))
     }
 
     /// Publishes the claimed rows and marks them. Not to be cancelled once started (the run
@@ -582,7 +606,7 @@ impl<P: Publisher> Relay<P> {
                 #[cfg(feature = "postgres")]
                 Claim::Postgres(tx) => tx.commit().await?,
                 #[cfg(feature = "sqlite")]
-                Claim::Sqlite(_) => {}
+                Claim::Sqlite { .. } => {}
             }
             return Ok(RelayRound::default());
         }
@@ -598,7 +622,9 @@ impl<P: Publisher> Relay<P> {
                 tx.commit().await?;
             }
             #[cfg(feature = "sqlite")]
-            Claim::Sqlite(pool) => super::sqlite::settle(&pool, &settlement).await?,
+            Claim::Sqlite { pool, token, until } => {
+                super::sqlite::settle(&pool, &settlement, token, until).await?
+            }
         }
         round.published = settlement.published.len();
         self.metrics.published.increment(round.published as u64);

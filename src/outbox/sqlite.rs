@@ -3,10 +3,11 @@
 //!
 //! SQLite has one writer. Holding it while a broker confirms would stop every other writer (the
 //! application's own transactions) for up to the publish timeout, so a round works in three
-//! steps: a short `BEGIN IMMEDIATE` transaction claims due rows by setting `leased_until`; the
-//! rows are published with no lock held; a second short transaction marks them and clears the
-//! lease. A row whose lease ran out (its relay died) is claimed again, as PostgreSQL's row
-//! locks are released when a relay's connection dies.
+//! steps: a short `BEGIN IMMEDIATE` transaction claims due rows by setting `leased_until` and a
+//! random `lease_token`; the rows are published with no lock held; a second short transaction
+//! marks the rows that still carry the token and clears the lease. A row whose lease ran out
+//! (its relay died or stalled) is claimed again, as PostgreSQL's row locks are released when a
+//! relay's connection dies; the stalled relay's late marks then change nothing.
 
 use std::time::Duration;
 
@@ -60,8 +61,22 @@ macro_rules! now_ms {
     };
 }
 
+/// Whether any row could be claimed: read without the write lock, so an idle relay's polls never
+/// take it (the application's writers wait for nobody).
+const ANY_DUE: &str = concat!(
+    "SELECT EXISTS (SELECT 1 FROM txinbox_outbox
+     WHERE status = 'pending' AND next_attempt_at <= ",
+    now_ms!(),
+    " AND (leased_until IS NULL OR leased_until <= ",
+    now_ms!(),
+    "))"
+);
+
 /// Due heads of their keys (or rows without a key) that no live lease holds. A leased head
 /// stays `pending`, so it is still the head of its key: no other relay takes a later row of it.
+/// A key with a live lease on any of its pending rows is skipped altogether: a row put back
+/// before rows another relay is publishing (a dead letter set to `pending` again) waits until
+/// that relay is done, instead of being published alongside them.
 const CLAIM_HEADS: &str = concat!(
     "SELECT o.id, o.attempts, o.message_id, o.destination, o.message_key, o.payload, o.headers
      FROM txinbox_outbox o
@@ -74,12 +89,15 @@ const CLAIM_HEADS: &str = concat!(
        AND (o.message_key IS NULL OR NOT EXISTS (
              SELECT 1 FROM txinbox_outbox p
              WHERE p.status = 'pending' AND p.destination = o.destination
-               AND p.message_key = o.message_key AND p.id < o.id))
+               AND p.message_key = o.message_key
+               AND (p.id < o.id OR p.leased_until > ",
+    now_ms!(),
+    ")))
      ORDER BY o.id
      LIMIT ?1"
 );
 
-/// The later pending rows of one claimed head's key.
+/// The later pending rows of one claimed head's key (none of them leased: see CLAIM_HEADS).
 const CLAIM_FOLLOWERS: &str = "\
 SELECT id, attempts, message_id, destination, message_key, payload, headers
 FROM txinbox_outbox
@@ -90,17 +108,19 @@ LIMIT ?4";
 const LEASE: &str = concat!(
     "UPDATE txinbox_outbox SET leased_until = ",
     now_ms!(),
-    " + ?2
+    " + ?2, lease_token = ?3
      WHERE id IN (SELECT value FROM json_each(?1))"
 );
 
+// The marks touch only rows this claim still holds (same token, still pending): a relay that
+// outlived its lease, whose rows another relay has claimed since, changes nothing.
 const MARK_PUBLISHED: &str = concat!(
     "UPDATE txinbox_outbox
      SET status = 'published', published_at = ",
     now_ms!(),
     ", attempts = attempts + 1,
-         last_error = NULL, leased_until = NULL
-     WHERE id IN (SELECT value FROM json_each(?1))"
+         last_error = NULL, leased_until = NULL, lease_token = NULL
+     WHERE id IN (SELECT value FROM json_each(?1)) AND lease_token = ?2 AND status = 'pending'"
 );
 
 const MARK_FAILED: &str = concat!(
@@ -108,12 +128,14 @@ const MARK_FAILED: &str = concat!(
      SET attempts = attempts + 1, last_error = ?2, next_attempt_at = ",
     now_ms!(),
     " + ?3,
-         status = CASE WHEN ?4 THEN 'dead_lettered' ELSE 'pending' END, leased_until = NULL
-     WHERE id = ?1"
+         status = CASE WHEN ?4 THEN 'dead_lettered' ELSE 'pending' END,
+         leased_until = NULL, lease_token = NULL
+     WHERE id = ?1 AND lease_token = ?5 AND status = 'pending'"
 );
 
-const RELEASE: &str =
-    "UPDATE txinbox_outbox SET leased_until = NULL WHERE id IN (SELECT value FROM json_each(?1))";
+const RELEASE: &str = "\
+UPDATE txinbox_outbox SET leased_until = NULL, lease_token = NULL
+WHERE id IN (SELECT value FROM json_each(?1)) AND lease_token = ?2 AND status = 'pending'";
 
 const PURGE: &str = concat!(
     "DELETE FROM txinbox_outbox WHERE id IN (
@@ -132,17 +154,32 @@ const BACKLOG: &str = concat!(
      FROM txinbox_outbox WHERE status = 'pending'"
 );
 
+/// A duration as SQLite milliseconds, capped (a century) so that `now + d` cannot overflow.
+fn millis(d: Duration) -> i64 {
+    const CENTURY_MS: u128 = 100 * 365 * 24 * 3600 * 1000;
+    d.as_millis().min(CENTURY_MS) as i64
+}
+
 async fn begin(pool: &SqlitePool) -> Result<sqlx::Transaction<'static, Sqlite>, sqlx::Error> {
     pool.begin_with("BEGIN IMMEDIATE").await
 }
 
-/// Claims up to `limit` due rows for `lease`: the heads of their keys, then the later rows of the
-/// claimed keys, in one write transaction. Sorted by ID.
+/// One claim's rows: only marks carrying its token change them.
+pub(super) type LeaseToken = i64;
+
+/// Claims up to `limit` due rows for `lease_for`: the heads of their keys, then the later rows of
+/// the claimed keys, in one write transaction (taken only when a read found a due row). Sorted
+/// by ID.
 pub(super) async fn claim(
     pool: &SqlitePool,
     limit: usize,
     lease_for: Duration,
-) -> Result<Vec<Claimed>, sqlx::Error> {
+) -> Result<(Vec<Claimed>, LeaseToken), sqlx::Error> {
+    let token = fastrand::i64(..);
+    let due: bool = sqlx::query_scalar(ANY_DUE).fetch_one(pool).await?;
+    if !due {
+        return Ok((Vec::new(), token));
+    }
     let mut tx = begin(pool).await?;
     let mut rows = sqlx::query(CLAIM_HEADS)
         .bind(limit as i64)
@@ -153,7 +190,7 @@ pub(super) async fn claim(
         .collect::<Result<Vec<_>, _>>()?;
     if rows.is_empty() {
         tx.commit().await?;
-        return Ok(rows);
+        return Ok((rows, token));
     }
     let heads: Vec<(String, Bytes, i64)> = rows
         .iter()
@@ -176,46 +213,100 @@ pub(super) async fn claim(
         }
     }
     rows.sort_by_key(|r| r.id);
-    let ids = json_ids(rows.iter().map(|r| r.id));
     sqlx::query(LEASE)
-        .bind(ids)
-        .bind(lease_for.as_millis() as i64)
+        .bind(json_ids(rows.iter().map(|r| r.id)))
+        .bind(millis(lease_for))
+        .bind(token)
         .execute(&mut *tx)
         .await?;
     tx.commit().await?;
-    Ok(rows)
+    Ok((rows, token))
 }
 
-/// Marks the round's rows and clears their leases, in one write transaction.
-pub(super) async fn settle(pool: &SqlitePool, settlement: &Settlement) -> Result<(), sqlx::Error> {
-    let mut tx = begin(pool).await?;
-    mark(&mut tx, settlement).await?;
-    tx.commit().await
+/// Marks the round's rows and clears their leases, in one write transaction. The broker has
+/// confirmed the published rows, so a busy database (another writer holding the lock past the
+/// busy timeout, every connection in use) does not make it give up while the claim lasts: it
+/// tries again, with backoff, until `until`. Repeating is harmless: a mark applies once, to
+/// rows that still carry `token`.
+pub(super) async fn settle(
+    pool: &SqlitePool,
+    settlement: &Settlement,
+    token: LeaseToken,
+    until: tokio::time::Instant,
+) -> Result<(), sqlx::Error> {
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let result = async {
+            let mut tx = begin(pool).await?;
+            let marked = mark(&mut tx, settlement, token).await?;
+            tx.commit().await?;
+            Ok::<_, sqlx::Error>(marked)
+        }
+        .await;
+        match result {
+            Ok(marked) => {
+                let claimed =
+                    settlement.published.len() + settlement.failed.len() + settlement.released.len();
+                if (marked as usize) < claimed {
+                    tracing::warn!(
+                        marked,
+                        claimed,
+                        "outbox rows were claimed by another relay after this round's lease ran out; \
+                         they may be published twice (the downstream inbox drops the copy)"
+                    );
+                }
+                return Ok(());
+            }
+            Err(e) if busy(&e) && tokio::time::Instant::now() + pause < until => {
+                tracing::debug!(error = %e, "marking outbox rows: the database is busy; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
-async fn mark(conn: &mut SqliteConnection, settlement: &Settlement) -> Result<(), sqlx::Error> {
+/// SQLite's lock held past the busy timeout, or no connection free: worth waiting out.
+fn busy(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::PoolTimedOut) || crate::store::is_lock_conflict(e)
+}
+
+/// Applies the marks; returns how many rows they changed.
+async fn mark(
+    conn: &mut SqliteConnection,
+    settlement: &Settlement,
+    token: LeaseToken,
+) -> Result<u64, sqlx::Error> {
+    let mut marked = 0;
     if !settlement.published.is_empty() {
-        sqlx::query(MARK_PUBLISHED)
+        marked += sqlx::query(MARK_PUBLISHED)
             .bind(json_ids(settlement.published.iter().copied()))
+            .bind(token)
             .execute(&mut *conn)
-            .await?;
+            .await?
+            .rows_affected();
     }
     for f in &settlement.failed {
-        sqlx::query(MARK_FAILED)
+        marked += sqlx::query(MARK_FAILED)
             .bind(f.id)
             .bind(&f.error)
-            .bind(f.retry_in.as_millis() as i64)
+            .bind(millis(f.retry_in))
             .bind(f.dead)
+            .bind(token)
             .execute(&mut *conn)
-            .await?;
+            .await?
+            .rows_affected();
     }
     if !settlement.released.is_empty() {
-        sqlx::query(RELEASE)
+        marked += sqlx::query(RELEASE)
             .bind(json_ids(settlement.released.iter().copied()))
+            .bind(token)
             .execute(&mut *conn)
-            .await?;
+            .await?
+            .rows_affected();
     }
-    Ok(())
+    Ok(marked)
 }
 
 pub(super) async fn purge_published(
@@ -224,7 +315,7 @@ pub(super) async fn purge_published(
     batch: usize,
 ) -> Result<u64, sqlx::Error> {
     Ok(sqlx::query(PURGE)
-        .bind(retention.as_millis() as i64)
+        .bind(millis(retention))
         .bind(batch as i64)
         .execute(pool)
         .await?

@@ -15,6 +15,11 @@ use super::{assert_key_order, drain, fast_config, write_interleaved, Failure, Re
 
 /// A fresh database file with the migrations run, and a pool of `connections`.
 async fn sqlite_db(connections: u32) -> SqlitePool {
+    sqlite_db_with(connections, Duration::from_secs(30)).await
+}
+
+/// [`sqlite_db`] with another busy timeout (how long a writer waits for the lock).
+async fn sqlite_db_with(connections: u32, busy_timeout: Duration) -> SqlitePool {
     let dir = std::env::temp_dir().join(format!(
         "txinbox-outbox-{}-{}",
         std::process::id(),
@@ -26,7 +31,8 @@ async fn sqlite_db(connections: u32) -> SqlitePool {
         SqliteConnectOptions::new()
             .filename(dir.join("outbox.db"))
             .create_if_missing(true),
-    );
+    )
+    .busy_timeout(busy_timeout);
     let pool = SqlitePoolOptions::new()
         .max_connections(connections)
         .connect_with(options)
@@ -448,4 +454,171 @@ async fn sqlite_consumer_writes_one_outbox_row_per_message() {
     assert_eq!(recorder.ids().len(), 50);
     assert_eq!(published.len(), 50);
     assert!(published.contains(&outbox::derive_id("emitter", "m-7", "seen")));
+}
+
+async fn leased(pool: &SqlitePool) -> i64 {
+    sqlx::query_scalar("SELECT count(leased_until) FROM txinbox_outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until `n` rows are leased (a round has claimed them and is publishing).
+async fn until_leased(pool: &SqlitePool, n: i64) {
+    let started = Instant::now();
+    while leased(pool).await < n {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the relay never claimed the rows"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A round that stalls past its lease loses its rows to the next relay; when it finally marks
+/// them, nothing changes: the failure it saw does not dead-letter the row the other relay
+/// published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_stalled_rounds_late_marks_change_nothing() {
+    let pool = sqlite_db(4).await;
+    outbox::write(&pool, &OutboxMessage::new("row", "t", "x").with_key("k"))
+        .await
+        .unwrap();
+    let stalled = Recorder {
+        pause: Duration::from_secs(2),
+        ..Recorder::default()
+    };
+    stalled
+        .failing
+        .lock()
+        .unwrap()
+        .insert("row".into(), Failure::Permanent);
+    let first = Relay::new(pool.clone(), stalled, fast_config()).unwrap();
+    let round = tokio::spawn(async move { first.relay_once().await });
+    until_leased(&pool, 1).await;
+    // The stall outlasts the lease (made to run out now, instead of waiting 50 s).
+    sqlx::query("UPDATE txinbox_outbox SET leased_until = 0")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let recorder = Recorder::default();
+    let next = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
+    assert_eq!(next.relay_once().await.unwrap().published, 1);
+    let late = round.await.unwrap().unwrap();
+    assert_eq!(
+        late.dead_lettered, 1,
+        "the stalled round saw a permanent failure: {late:?}"
+    );
+    let (status, attempts, error): (String, i64, Option<String>) =
+        sqlx::query_as("SELECT status, attempts, last_error FROM txinbox_outbox")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), attempts, error),
+        ("published", 1, None),
+        "the late mark of the stalled round changed the row"
+    );
+}
+
+/// A row put back before rows that another relay is publishing (a dead letter set to `pending`
+/// again) is not published alongside them: its key is skipped while one of its rows is leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_row_put_back_before_leased_rows_waits_for_their_claim() {
+    let pool = sqlite_db(4).await;
+    for i in 0..3 {
+        outbox::write(
+            &pool,
+            &OutboxMessage::new(format!("k-{i}"), "t", "x").with_key("k"),
+        )
+        .await
+        .unwrap();
+    }
+    sqlx::query("UPDATE txinbox_outbox SET status = 'dead_lettered' WHERE message_id = 'k-0'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let slow = Recorder {
+        pause: Duration::from_millis(1500),
+        ..Recorder::default()
+    };
+    let first = Relay::new(pool.clone(), slow.clone(), fast_config()).unwrap();
+    let round = tokio::spawn(async move { first.relay_once().await });
+    until_leased(&pool, 2).await;
+    sqlx::query("UPDATE txinbox_outbox SET status = 'pending', next_attempt_at = 0 WHERE message_id = 'k-0'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let recorder = Recorder::default();
+    let other = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
+    let meanwhile = other.relay_once().await.unwrap();
+    assert_eq!(
+        meanwhile.claimed, 0,
+        "claimed rows of a key another relay holds: {meanwhile:?}"
+    );
+    assert_eq!(round.await.unwrap().unwrap().published, 2);
+    drain(&other).await;
+    assert_eq!(slow.ids(), ["k-1", "k-2"]);
+    assert_eq!(recorder.ids(), ["k-0"], "published once the claim ended");
+}
+
+/// An idle relay's poll does not wait for SQLite's write lock: it only reads. (Taking the lock to
+/// find nothing would queue every poll behind the application's writers, and them behind it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_idle_poll_takes_no_write_lock() {
+    let pool = sqlite_db(4).await;
+    outbox::write(&pool, &OutboxMessage::new("done", "t", "x"))
+        .await
+        .unwrap();
+    let relay = Relay::new(pool.clone(), Recorder::default(), fast_config()).unwrap();
+    drain(&relay).await;
+    let mut writer = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    outbox::write(&mut *writer, &OutboxMessage::new("uncommitted", "t", "x"))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let round = tokio::time::timeout(Duration::from_secs(5), relay.relay_once())
+        .await
+        .expect("the poll waited for the write lock")
+        .unwrap();
+    assert_eq!(round.claimed, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    writer.commit().await.unwrap();
+}
+
+/// The broker confirmed, then the database is busy past the busy timeout when the round marks
+/// its rows: the round waits it out (within its lease) instead of failing and leaving confirmed
+/// rows to be published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_marking_waits_out_a_busy_database() {
+    let pool = sqlite_db_with(4, Duration::from_millis(100)).await;
+    outbox::write(&pool, &OutboxMessage::new("row", "t", "x"))
+        .await
+        .unwrap();
+    let recorder = Recorder {
+        pause: Duration::from_millis(300),
+        ..Recorder::default()
+    };
+    let relay = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
+    let round = tokio::spawn(async move { relay.relay_once().await });
+    until_leased(&pool, 1).await;
+    // Another writer holds the lock from during the publish until well after it.
+    let mut writer = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS busy (x INTEGER)")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        !round.is_finished(),
+        "the round gave up (or did not wait for the lock)"
+    );
+    writer.commit().await.unwrap();
+    let round = round.await.unwrap().expect("marking waited for the lock");
+    assert_eq!(round.published, 1);
+    assert_eq!(count(&pool, "published").await, 1);
 }

@@ -544,12 +544,13 @@ async fn serve_embedded(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         });
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
-    axum::serve(listener, app)
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
-        .await?;
+        .await;
+    // The relay finishes its round in progress (at most twice its publish timeout) either way.
     relay.stop().await;
     pool.close().await;
-    Ok(())
+    Ok(served?)
 }
 
 #[derive(Clone)]
@@ -722,12 +723,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, "payments_api listening");
-    axum::serve(listener, router(pool.clone(), args.topic, false))
+    let served = axum::serve(listener, router(pool.clone(), args.topic, false))
         .with_graceful_shutdown(shutdown_signal())
-        .await?;
+        .await;
+    // The relay finishes its round in progress (at most twice its publish timeout) either way.
     relay.stop().await;
     pool.close().await;
-    Ok(())
+    Ok(served?)
 }
 
 /// The outbox relay, when `--publish-kafka` or `--publish-amqp` asks for one.
