@@ -1,7 +1,11 @@
 //! Side-by-side throughput benchmark, one process, one table: for each source (the in-memory
 //! broker, Kafka, RabbitMQ) raw consumption without an inbox (the ceiling), one transaction per
-//! message, and micro-batched transactions; plus `pgbench` doing the same inserts at the same
-//! batch sizes on the same database, so "batched vs. what PostgreSQL can commit" is visible.
+//! message, and micro-batched transactions; for each broker also the peer txinbox has to beat,
+//! a consumer written by hand the way users write one without it (rdkafka `StreamConsumer` or
+//! lapin `basic_consume`, plus sqlx: one transaction per message inserting a `processed_ids`
+//! row and the effect, the offset stored or the message acked after COMMIT); plus `pgbench`
+//! doing the same inserts at the same batch sizes on the same database, so "batched vs. what
+//! PostgreSQL can commit" is visible.
 //!
 //! ```sh
 //! cargo run --release --example bench -- [--messages N] [--per-message N] [--sources memory,kafka,amqp]
@@ -13,8 +17,15 @@
 //! `bench_effects` per message (per-message handler), or one `INSERT … SELECT FROM UNNEST` per
 //! batch (the batch handler). End-to-end latency is publish time (carried in the payload) to the
 //! moment the broker settlement returned, after COMMIT. Peak RSS is the process's high-water
-//! mark, reset before each row (`/proc/self/clear_refs`). A publisher keeps at most `--window`
+//! mark, reset before each row (`/proc/self/clear_refs`). A publisher keeps at most a window of
 //! messages published and not yet settled, so latency measures the pipeline, not a backlog.
+//!
+//! The window must not be what a row measures: with a broker whose produce-to-consume latency
+//! is L, a window W caps every row at W / L messages per second. Unless `--window N` fixes it,
+//! each broker's window is searched first: raw rows at 2,000, 4,000, 8,000, … unsettled
+//! messages, doubling while the raw rate still grows by 10% or more; the window found is used for
+//! all of that broker's rows and printed in their notes. (The memory source has no such latency:
+//! it uses 2,000.)
 //!
 //! Needs PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`, a
 //! role that may create databases: the bench works in a scratch database it drops at the end).
@@ -42,6 +53,9 @@ use txinbox::{
     Settlement, SourceError,
 };
 
+/// The memory source's window: it has no broker latency to cover.
+const MEMORY_WINDOW: u64 = 2_000;
+
 #[derive(Debug, Clone)]
 struct Args {
     messages: u64,
@@ -51,7 +65,8 @@ struct Args {
     linger_ms: u64,
     concurrency: usize,
     max_in_flight: usize,
-    window: u64,
+    /// `None`: searched per broker (see `Bench::window_for`).
+    window: Option<u64>,
     partitions: i32,
     json: Option<String>,
     prefill_rows: u64,
@@ -69,7 +84,7 @@ fn parse_args() -> anyhow::Result<Args> {
         linger_ms: txinbox::DEFAULT_BATCH_LINGER.as_millis() as u64,
         concurrency: txinbox::DEFAULT_CONCURRENCY,
         max_in_flight: txinbox::DEFAULT_MAX_IN_FLIGHT,
-        window: 2_000,
+        window: None,
         partitions: 8,
         json: None,
         prefill_rows: 0,
@@ -88,7 +103,7 @@ fn parse_args() -> anyhow::Result<Args> {
             "--linger-ms" => a.linger_ms = value()?.parse()?,
             "--concurrency" => a.concurrency = value()?.parse()?,
             "--max-in-flight" => a.max_in_flight = value()?.parse()?,
-            "--window" => a.window = value()?.parse()?,
+            "--window" => a.window = Some(value()?.parse()?),
             "--partitions" => a.partitions = value()?.parse()?,
             "--json" => a.json = Some(value()?),
             "--prefill-rows" => a.prefill_rows = value()?.parse()?,
@@ -100,7 +115,7 @@ fn parse_args() -> anyhow::Result<Args> {
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
                      [--sources memory,kafka,amqp] [--batch-size N (100)] [--linger-ms N (0)] [--concurrency N (8)]\n  \
                      [--max-in-flight N (2048)] \
-                     [--window N (2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
+                     [--window N (searched per broker; memory 2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
                      [--no-pgbench] [--pgbench-seconds N (5)]"
                 );
                 std::process::exit(0);
@@ -224,7 +239,11 @@ fn payload(seq: u64) -> String {
 }
 
 fn published_at(message: &Message) -> Option<u64> {
-    let text = std::str::from_utf8(message.payload()).ok()?;
+    sent_at(message.payload())
+}
+
+fn sent_at(payload: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(payload).ok()?;
     text.split(' ').next()?.parse().ok()
 }
 
@@ -486,6 +505,7 @@ impl Bench {
     }
 
     /// Consumes `n` messages from `source` (fed by `publisher`) in `mode`, as consumer `name`.
+    #[allow(clippy::too_many_arguments)]
     async fn row<Src: MessageSource>(
         &self,
         label: &str,
@@ -494,8 +514,8 @@ impl Bench {
         source: Src,
         publisher: Publisher,
         id_strategy: Option<IdStrategy>,
+        (n, window): (u64, u64),
     ) -> anyhow::Result<Row> {
-        let n = self.count(mode);
         self.checkpoint().await;
         reset_peak_rss();
         let probe = Probe::new(n + 1);
@@ -503,7 +523,7 @@ impl Bench {
             inner: source,
             probe: probe.clone(),
         };
-        let publishing = tokio::spawn(publish_loop(publisher, n, self.args.window, probe.clone()));
+        let publishing = tokio::spawn(publish_loop(publisher, n, window, probe.clone()));
         match mode {
             Mode::Raw => {
                 let mut source = timed;
@@ -547,10 +567,13 @@ impl Bench {
         publishing.await??;
         let elapsed = probe.elapsed();
         let note = match mode {
-            Mode::Raw => "no inbox: receive + ack".to_string(),
-            Mode::PerMessage => format!("batch_size 1, concurrency {}", self.args.concurrency),
+            Mode::Raw => format!("no inbox: receive + ack; window {window}"),
+            Mode::PerMessage => format!(
+                "batch_size 1, concurrency {}; window {window}",
+                self.args.concurrency
+            ),
             Mode::Batched => format!(
-                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}",
+                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; window {window}",
                 self.args.batch_size, self.args.linger_ms, self.args.concurrency, self.args.max_in_flight
             ),
         };
@@ -566,11 +589,90 @@ impl Bench {
         })
     }
 
+    /// The peer txinbox has to beat: a consumer written by hand the way users write one
+    /// without it. `consume` runs one transaction per message (a `bench_processed_ids` insert
+    /// and, when new, the effect), acknowledges after COMMIT, and reports each message to the
+    /// probe; it runs until the probe has them all.
+    async fn peer_row<F, Fut>(
+        &self,
+        label: &str,
+        publisher: Publisher,
+        window: u64,
+        note: &str,
+        consume: F,
+    ) -> anyhow::Result<Row>
+    where
+        F: FnOnce(Arc<Probe>) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+    {
+        let n = self.args.per_message;
+        self.checkpoint().await;
+        reset_peak_rss();
+        let probe = Probe::new(n + 1);
+        let publishing = tokio::spawn(publish_loop(publisher, n, window, probe.clone()));
+        let mut consuming = tokio::spawn(consume(probe.clone()));
+        tokio::select! {
+            () = probe.wait_done() => consuming.abort(),
+            r = &mut consuming => {
+                r??;
+                bail!("the hand-written {label} consumer stopped early");
+            }
+        }
+        publishing.await??;
+        let elapsed = probe.elapsed();
+        Ok(Row {
+            source: label.to_owned(),
+            mode: "peer",
+            messages: n,
+            msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+            p50_ms: probe.latency.quantile_ms(0.50),
+            p99_ms: probe.latency.quantile_ms(0.99),
+            peak_rss_mb: rss_mb("VmHWM:"),
+            note: format!("{note}; window {window}"),
+        })
+    }
+
     fn count(&self, mode: Mode) -> u64 {
         if mode == Mode::PerMessage {
             self.args.per_message
         } else {
             self.args.messages
+        }
+    }
+
+    /// The publisher's window for a broker: `--window`, or the smallest of 2,000, 4,000, 8,000,
+    /// … (up to 65,535, AMQP's largest prefetch, and the row's message count) past which the raw
+    /// rate grows by less than 10%. `raw(n, window)` measures one raw row; the search rows are
+    /// printed (mode `raw?`), not kept.
+    async fn window_for<F, Fut>(&self, label: &str, mut raw: F) -> anyhow::Result<u64>
+    where
+        F: FnMut(u64, u64) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<Row>>,
+    {
+        if let Some(w) = self.args.window {
+            return Ok(w);
+        }
+        let limit = self.args.messages.min(u16::MAX as u64);
+        let mut window = 2_000.min(limit);
+        let mut best: Option<(u64, f64)> = None;
+        loop {
+            // Enough messages that the window fills many times over.
+            let n = self.args.messages.min((window * 8).max(20_000));
+            let mut row = raw(n, window).await?;
+            row.mode = "raw?";
+            print_row(&row);
+            if let Some((previous, rate)) = best {
+                if row.msgs_per_sec < rate * 1.10 {
+                    println!("{label}: window {previous} (a larger one gained less than 10%)");
+                    return Ok(previous);
+                }
+            }
+            best = Some((window, row.msgs_per_sec));
+            if window >= limit {
+                println!("{label}: window {window} (the largest tried)");
+                return Ok(window);
+            }
+            window = (window * 2).min(limit);
         }
     }
 
@@ -586,6 +688,7 @@ impl Bench {
                     broker.source(),
                     Publisher::Memory(broker.clone()),
                     None,
+                    (self.count(mode), self.args.window.unwrap_or(MEMORY_WINDOW)),
                 )
                 .await?;
             print_row(&row);
@@ -610,38 +713,98 @@ impl Bench {
             .set("linger.ms", "5")
             .set("queue.buffering.max.messages", "1000000")
             .create()?;
-        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let topic = format!("bench-{}-{}", mode.as_str(), self.run_id);
-            let results = admin
-                .create_topics(
-                    &[NewTopic::new(
-                        &topic,
-                        self.args.partitions,
-                        TopicReplication::Fixed(1),
-                    )],
-                    &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-                )
-                .await?;
-            for r in results {
-                r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+        let kafka_row = |mode: Mode, label: String, (n, window): (u64, u64)| {
+            let (admin, producer, brokers) = (&admin, &producer, &brokers);
+            async move {
+                let topic = format!("bench-{label}-{}", self.run_id);
+                let results = admin
+                    .create_topics(
+                        &[NewTopic::new(
+                            &topic,
+                            self.args.partitions,
+                            TopicReplication::Fixed(1),
+                        )],
+                        &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+                    )
+                    .await?;
+                for r in results {
+                    r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+                }
+                let name = format!("bench-kafka-{label}-{}", self.run_id);
+                let config =
+                    txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
+                        .topic(topic.clone())
+                        .max_buffered_per_partition(window as usize);
+                let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
+                let publisher = Publisher::Kafka {
+                    producer: producer.clone(),
+                    topic: topic.clone(),
+                    partitions: self.args.partitions,
+                };
+                let row = self
+                    .row(
+                        "kafka",
+                        mode,
+                        &name,
+                        source,
+                        publisher,
+                        Some(IdStrategy::Offset),
+                        (n, window),
+                    )
+                    .await;
+                let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
+                row
             }
-            let name = format!("bench-kafka-{}-{}", mode.as_str(), self.run_id);
-            let config = txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
-                .topic(topic.clone())
-                .max_buffered_per_partition(self.args.window as usize);
-            let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
-            let publisher = Publisher::Kafka {
-                producer: producer.clone(),
-                topic: topic.clone(),
-                partitions: self.args.partitions,
-            };
-            let row = self
-                .row("kafka", mode, &name, source, publisher, Some(IdStrategy::Offset))
-                .await?;
+        };
+        let window = self
+            .window_for("kafka", |n, w| {
+                kafka_row(Mode::Raw, format!("window-{w}"), (n, w))
+            })
+            .await?;
+        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            let row = kafka_row(mode, mode.as_str().to_owned(), (self.count(mode), window)).await?;
             print_row(&row);
             rows.push(row);
-            let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
         }
+
+        let topic = format!("bench-peer-{}", self.run_id);
+        let results = admin
+            .create_topics(
+                &[NewTopic::new(
+                    &topic,
+                    self.args.partitions,
+                    TopicReplication::Fixed(1),
+                )],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await?;
+        for r in results {
+            r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+        }
+        let publisher = Publisher::Kafka {
+            producer: producer.clone(),
+            topic: topic.clone(),
+            partitions: self.args.partitions,
+        };
+        let (pool, brokers_, topic_, group) = (
+            self.pool.clone(),
+            brokers.clone(),
+            topic.clone(),
+            format!("g-bench-peer-{}", self.run_id),
+        );
+        let row = self
+            .peer_row(
+                "kafka",
+                publisher,
+                window,
+                "hand-written: rdkafka StreamConsumer + sqlx, a transaction per message, offset stored after COMMIT",
+                move |probe| kafka_peer(pool, brokers_, topic_, group, probe),
+            )
+            .await;
+        let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
+        let row = row?;
+        print_row(&row);
+        rows.push(row);
         Ok(())
     }
 
@@ -661,36 +824,84 @@ impl Bench {
             }
         };
         let channel = conn.create_channel().await?;
+        let amqp_row = |mode: Mode, label: String, (n, window): (u64, u64)| {
+            let (channel, url) = (&channel, &url);
+            async move {
+                let queue = format!("bench-{label}-{}", self.run_id);
+                // Declared before publishing (as the adapter declares it: durable, no arguments).
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        lapin::options::QueueDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        lapin::types::FieldTable::default(),
+                    )
+                    .await?;
+                let name = format!("bench-amqp-{label}-{}", self.run_id);
+                let prefetch = (window.min(u16::MAX as u64)) as u16;
+                let config = txinbox_amqp::AmqpConfig::new(url.clone(), queue.clone()).prefetch(prefetch);
+                let source = txinbox_amqp::AmqpSource::connect(config).await?;
+                let publisher = Publisher::Amqp {
+                    channel: channel.clone(),
+                    queue: queue.clone(),
+                };
+                let row = self
+                    .row("amqp", mode, &name, source, publisher, None, (n, window))
+                    .await;
+                for q in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
+                    let _ = channel
+                        .queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default())
+                        .await;
+                }
+                row
+            }
+        };
+        let window = self
+            .window_for("amqp", |n, w| amqp_row(Mode::Raw, format!("window-{w}"), (n, w)))
+            .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let queue = format!("bench-{}-{}", mode.as_str(), self.run_id);
-            // Declared before publishing (as the adapter declares it: durable, no arguments).
-            channel
-                .queue_declare(
-                    queue.as_str().into(),
-                    lapin::options::QueueDeclareOptions {
-                        durable: true,
-                        ..Default::default()
-                    },
-                    lapin::types::FieldTable::default(),
-                )
-                .await?;
-            let name = format!("bench-amqp-{}-{}", mode.as_str(), self.run_id);
-            let prefetch = (self.args.window.min(u16::MAX as u64)) as u16;
-            let config = txinbox_amqp::AmqpConfig::new(url.clone(), queue.clone()).prefetch(prefetch);
-            let source = txinbox_amqp::AmqpSource::connect(config).await?;
-            let publisher = Publisher::Amqp {
-                channel: channel.clone(),
-                queue: queue.clone(),
-            };
-            let row = self.row("amqp", mode, &name, source, publisher, None).await?;
+            let row = amqp_row(mode, mode.as_str().to_owned(), (self.count(mode), window)).await?;
             print_row(&row);
             rows.push(row);
-            for q in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
-                let _ = channel
-                    .queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default())
-                    .await;
-            }
         }
+
+        let queue = format!("bench-peer-{}", self.run_id);
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await?;
+        let publisher = Publisher::Amqp {
+            channel: channel.clone(),
+            queue: queue.clone(),
+        };
+        let (pool, url_, queue_) = (self.pool.clone(), url.clone(), queue.clone());
+        let prefetch = (window.min(u16::MAX as u64)) as u16;
+        let row = self
+            .peer_row(
+                "amqp",
+                publisher,
+                window,
+                "hand-written: lapin basic_consume + sqlx, a transaction per message, ack after COMMIT",
+                move |probe| amqp_peer(pool, url_, queue_, prefetch, probe),
+            )
+            .await;
+        let _ = channel
+            .queue_delete(
+                queue.as_str().into(),
+                lapin::options::QueueDeleteOptions::default(),
+            )
+            .await;
+        let row = row?;
+        print_row(&row);
+        rows.push(row);
         Ok(())
     }
 
@@ -782,6 +993,10 @@ impl Bench {
                 broker.source(),
                 Publisher::Memory(broker.clone()),
                 None,
+                (
+                    self.count(Mode::Batched),
+                    self.args.window.unwrap_or(MEMORY_WINDOW),
+                ),
             )
             .await?;
         row.source = format!("memory+{}M rows", n as f64 / 1e6);
@@ -822,7 +1037,7 @@ impl Bench {
         let publishing = tokio::spawn(publish_loop(
             Publisher::Memory(broker.clone()),
             n,
-            self.args.window,
+            self.args.window.unwrap_or(MEMORY_WINDOW),
             probe.clone(),
         ));
         let done = probe.clone();
@@ -863,6 +1078,96 @@ fn fmt_opt(v: Option<f64>, width: usize) -> String {
         Some(v) => format!("{v:>width$.2}"),
         None => format!("{:>width$}", "-"),
     }
+}
+
+/// One message the hand-written way: a `processed_ids` row and, if it is new, the effect, in one
+/// transaction. Returns once it has committed.
+async fn apply_once(pool: &PgPool, consumer: &str, id: &str, bytes: usize) -> anyhow::Result<()> {
+    let mut tx = pool.begin().await?;
+    let fresh =
+        sqlx::query("INSERT INTO bench_processed_ids (consumer, id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+            == 1;
+    if fresh {
+        sqlx::query("INSERT INTO bench_effects (message_id, bytes) VALUES ($1, $2)")
+            .bind(id)
+            .bind(bytes as i64)
+            .execute(&mut *tx)
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The Kafka consumer users write without txinbox: `StreamConsumer`, one message at a time,
+/// its offset stored for the auto-commit only after the transaction committed.
+async fn kafka_peer(
+    pool: PgPool,
+    brokers: String,
+    topic: String,
+    group: String,
+    probe: Arc<Probe>,
+) -> anyhow::Result<()> {
+    use rdkafka::consumer::{Consumer as _, StreamConsumer};
+    use rdkafka::Message as _;
+    let consumer: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "true")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    consumer.subscribe(&[&topic])?;
+    loop {
+        let m = consumer.recv().await?;
+        let id = format!("{}-{}-{}", m.topic(), m.partition(), m.offset());
+        let payload = m.payload().unwrap_or_default();
+        apply_once(&pool, &group, &id, payload.len()).await?;
+        consumer.store_offset_from_message(&m)?;
+        probe.record(sent_at(payload));
+    }
+}
+
+/// The RabbitMQ consumer users write without txinbox: `basic_consume` with a prefetch, one
+/// delivery at a time, acknowledged after the transaction committed.
+async fn amqp_peer(
+    pool: PgPool,
+    url: String,
+    queue: String,
+    prefetch: u16,
+    probe: Arc<Probe>,
+) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel
+        .basic_qos(prefetch, lapin::options::BasicQosOptions::default())
+        .await?;
+    let mut deliveries = channel
+        .basic_consume(
+            queue.as_str().into(),
+            "bench-peer".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    while let Some(delivery) = deliveries.next().await {
+        let delivery = delivery?;
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string())
+            .context("a message without message_id")?;
+        apply_once(&pool, "bench-peer", &id, delivery.data.len()).await?;
+        delivery.ack(lapin::options::BasicAckOptions::default()).await?;
+        probe.record(sent_at(&delivery.data));
+    }
+    bail!("the RabbitMQ consumer ended")
 }
 
 fn header() {
@@ -914,7 +1219,8 @@ async fn main() -> anyhow::Result<()> {
         txinbox::migrate(&pool).await?;
         pool.execute(
             "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
-             CREATE SEQUENCE bench_pgb_seq;",
+             CREATE SEQUENCE bench_pgb_seq;
+             CREATE TABLE bench_processed_ids (consumer text NOT NULL, id text NOT NULL, PRIMARY KEY (consumer, id));",
         )
         .await?;
         anyhow::Ok(pool)
@@ -984,6 +1290,12 @@ async fn main() -> anyhow::Result<()> {
             }
             if let (Some(b), Some(g)) = (rate(source, "batched"), rate("pgbench", "batched")) {
                 println!("{source}: batched / pgbench batched = {:.0}%", 100.0 * b / g);
+            }
+            if let (Some(b), Some(r)) = (rate(source, "batched"), rate(source, "raw")) {
+                println!("{source}: batched / raw = {:.0}%", 100.0 * b / r);
+            }
+            if let (Some(b), Some(p)) = (rate(source, "batched"), rate(source, "peer")) {
+                println!("{source}: batched / hand-written peer = {:.1}x", b / p);
             }
         }
         if let (Some(p), Some(e)) = (
