@@ -5,7 +5,9 @@
 //! those messages come back after their transaction committed (a crash between commit and ack).
 //! Midway the consumer process "crashes" for real (its task is aborted with transactions open)
 //! and a new consumer takes over. The producer also re-sends some events with the same ID,
-//! reuses one ID with a different payload (a conflict) and sends one payload that is not JSON.
+//! reuses one ID with a different payload (a conflict: whichever of the two payloads the consumer
+//! sees first is applied and the other is dead-lettered; messages outside a lane have no order,
+//! so either can come first) and sends one payload that is not JSON.
 //! One event fails transiently on its first attempt and is retried. The handler's update is not
 //! idempotent (`balance = balance + amount`), yet the total balance equals the sum of the events
 //! sent. The example prints a report and exits non-zero if any figure disagrees.
@@ -38,6 +40,19 @@ const CONSUMER: &str = "quickstart";
 const EVENTS: usize = 1_000;
 /// The event whose first attempt fails with a transient error.
 const FLAKY: &str = "evt-333";
+/// The event sent a second time with another payload: a conflict.
+const CONFLICTED: &str = "evt-7";
+/// The other payload's amount.
+const CONFLICTING_AMOUNT: i64 = 1_000_000;
+
+/// Event `i`'s deposit: `(payload, amount)`.
+fn deposit(i: usize) -> (String, i64) {
+    let amount = (i as i64 * 37) % 100 + 1;
+    (
+        format!(r#"{{"account": "acct-{}", "amount": {amount}}}"#, i % 50),
+        amount,
+    )
+}
 
 #[derive(serde::Deserialize)]
 struct Deposit {
@@ -88,6 +103,8 @@ struct Figures {
     undecodable: i64,
     flaky_attempts: i64,
     balance: i64,
+    /// The conflict's dead letter holds the event's first payload: the other one was seen first.
+    original_dead_lettered: bool,
 }
 
 #[tokio::main]
@@ -128,7 +145,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         undecodable,
         flaky_attempts,
         balance,
+        original_dead_lettered,
     } = figures;
+    // Whichever of evt-7's two payloads came first was applied; the other is the dead letter.
+    let (expected, evt7_applied) = if original_dead_lettered {
+        (expected - deposit(7).1 + CONFLICTING_AMOUNT, "the second")
+    } else {
+        (expected, "the first")
+    };
     let counters: HashMap<String, u64> = (snapshotter.snapshot().into_vec().into_iter())
         .filter_map(|(key, .., value)| match value {
             DebugValue::Counter(n) => Some((key.key().name().to_owned(), n)),
@@ -150,7 +174,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
   unique events      {unique:>6}  ({EVENTS} valid, 1 undecodable)
   applied            {applied:>6}  ({FLAKY} succeeded on attempt {flaky_attempts})
   duplicates skipped {skipped:>6}  (acknowledged without running the handler)
-  dead-lettered      {dead_lettered:>6}  ({conflicts} conflict, {undecodable} undecodable)
+  dead-lettered      {dead_lettered:>6}  ({conflicts} conflict, {undecodable} undecodable; {CONFLICTED}: {evt7_applied} payload was seen first and applied)
   total balance      {balance:>6}  (expected {expected})"
     );
     let mut failed = Vec::new();
@@ -190,8 +214,7 @@ fn publish() -> (MemoryBroker, i64, usize) {
     broker.set_lose_ack_probability(0.1);
     let (mut expected, mut resent) = (0i64, 0);
     for i in 0..EVENTS {
-        let amount = (i as i64 * 37) % 100 + 1;
-        let payload = format!(r#"{{"account": "acct-{}", "amount": {amount}}}"#, i % 50);
+        let (payload, amount) = deposit(i);
         broker.publish(format!("evt-{i}"), payload.clone());
         expected += amount;
         if i % 25 == 0 {
@@ -199,8 +222,12 @@ fn publish() -> (MemoryBroker, i64, usize) {
             resent += 1;
         }
     }
-    // evt-7 again with another payload: a conflict, never applied (the first payload seen wins).
-    broker.publish("evt-7", r#"{"account": "acct-7", "amount": 1000000}"#);
+    // evt-7 again with another payload: a conflict. Only the payload the consumer sees first is
+    // applied; the other is dead-lettered (`main` reads which from the dead letter).
+    broker.publish(
+        CONFLICTED,
+        format!(r#"{{"account": "acct-7", "amount": {CONFLICTING_AMOUNT}}}"#),
+    );
     broker.publish(format!("evt-{EVENTS}"), &b"\xff\xfe not json"[..]);
     broker.close(); // `run` returns once the queue is drained and everything is settled
     (broker, expected, resent)
@@ -240,15 +267,19 @@ async fn on_sqlite(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error:
         .execute(&pool)
         .await?;
     consume(broker, store).await?;
-    let (applied, conflicts, undecodable, flaky_attempts, balance) = sqlx::query_as(
+    let (applied, conflicts, undecodable, flaky_attempts, balance, original_dead_lettered) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM txinbox_inbox WHERE consumer = ?1 AND status = 'processed'),
                 (SELECT count(*) FROM txinbox_dead_letters WHERE consumer = ?1 AND reason = 'conflict'),
                 (SELECT count(*) FROM txinbox_dead_letters WHERE consumer = ?1 AND reason = 'undecodable'),
                 (SELECT attempts FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2),
-                (SELECT coalesce(sum(balance), 0) FROM accounts)",
+                (SELECT coalesce(sum(balance), 0) FROM accounts),
+                (SELECT count(*) > 0 FROM txinbox_dead_letters
+                 WHERE consumer = ?1 AND message_id = ?3 AND reason = 'conflict' AND payload = ?4)",
     )
     .bind(CONSUMER)
     .bind(FLAKY)
+    .bind(CONFLICTED)
+    .bind(deposit(7).0.into_bytes())
     .fetch_one(&pool)
     .await?;
     pool.close().await;
@@ -259,6 +290,7 @@ async fn on_sqlite(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error:
         undecodable,
         flaky_attempts,
         balance,
+        original_dead_lettered,
     })
 }
 
@@ -284,15 +316,19 @@ async fn on_postgres(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::erro
         .execute(&pool)
         .await?;
     consume(broker, PostgresInbox::new(pool.clone())).await?;
-    let (applied, conflicts, undecodable, flaky_attempts, balance) = sqlx::query_as(
+    let (applied, conflicts, undecodable, flaky_attempts, balance, original_dead_lettered) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM txinbox.inbox WHERE consumer = $1 AND status = 'processed'),
                 (SELECT count(*) FROM txinbox.dead_letters WHERE consumer = $1 AND reason = 'conflict'),
                 (SELECT count(*) FROM txinbox.dead_letters WHERE consumer = $1 AND reason = 'undecodable'),
                 (SELECT attempts::bigint FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2),
-                (SELECT coalesce(sum(balance), 0)::bigint FROM accounts)",
+                (SELECT coalesce(sum(balance), 0)::bigint FROM accounts),
+                EXISTS (SELECT 1 FROM txinbox.dead_letters
+                        WHERE consumer = $1 AND message_id = $3 AND reason = 'conflict' AND payload = $4)",
     )
     .bind(CONSUMER)
     .bind(FLAKY)
+    .bind(CONFLICTED)
+    .bind(deposit(7).0.into_bytes())
     .fetch_one(&pool)
     .await?;
     Ok(Figures {
@@ -301,5 +337,6 @@ async fn on_postgres(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::erro
         undecodable,
         flaky_attempts,
         balance,
+        original_dead_lettered,
     })
 }
