@@ -18,7 +18,7 @@ const SQLITE: &[(i64, &str)] = &[
     (20261124000000, "96e4497d5abdd0c1"),
     (20261125000000, "b70d12be2d327cee"),
     (20261125000100, "6b85adf7d032b619"),
-    (20261126000000, "4c881d9efba1453a"),
+    (20261126000000, "59b18ba9777d88ba"),
 ];
 
 fn listed(m: &sqlx::migrate::Migrator) -> Vec<(i64, String)> {

@@ -1,7 +1,7 @@
 -- txinbox: the transactional outbox on SQLite (see PostgreSQL's `create_outbox` migration for
 -- the model). Rows are written in the same transaction as the effects that caused them; a relay
--- publishes them at least once. Times are Unix milliseconds; the headers are one BLOB of
--- length-prefixed (name, value) pairs.
+-- publishes them at least once. Times are Unix milliseconds; the headers are JSON, as in
+-- `txinbox_dead_letters`.
 --
 -- SQLite has one writer, so row IDs follow commit order. A relay claims rows by setting
 -- `leased_until` and a random `lease_token` in a short write transaction, publishes without
@@ -13,7 +13,7 @@ CREATE TABLE txinbox_outbox (
     destination     TEXT    NOT NULL,
     message_key     BLOB,
     payload         BLOB    NOT NULL,
-    headers         BLOB    NOT NULL DEFAULT X'',
+    headers         TEXT    NOT NULL DEFAULT '[]',
     status          TEXT    NOT NULL DEFAULT 'pending'
                             CHECK (status IN ('pending', 'published', 'dead_lettered')),
     attempts        INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),

@@ -48,7 +48,7 @@ impl sealed::Sealed for Sqlite {
                 .bind(&message.destination)
                 .bind(message.key.as_deref())
                 .bind(message.payload.as_ref())
-                .bind(encode_headers(headers))
+                .bind(crate::store::headers_json(headers).to_string())
                 .fetch_optional(executor),
         )
     }
@@ -331,37 +331,11 @@ fn json_ids(ids: impl Iterator<Item = i64>) -> String {
     format!("[{}]", ids.join(","))
 }
 
-/// Headers as one BLOB: `len(name) ‖ name ‖ len(value) ‖ value` per header, lengths as 4-byte
-/// big-endian (the format txinbox-http's SQLite store uses for stored responses).
-fn encode_headers(headers: &Headers) -> Vec<u8> {
-    let mut out = Vec::new();
-    for (name, value) in headers.iter() {
-        for part in [name.as_bytes(), value] {
-            out.extend_from_slice(&(part.len() as u32).to_be_bytes());
-            out.extend_from_slice(part);
-        }
-    }
-    out
-}
-
-fn decode_headers(mut b: &[u8]) -> Headers {
-    fn take<'a>(b: &mut &'a [u8]) -> Option<&'a [u8]> {
-        let len = u32::from_be_bytes(b.get(..4)?.try_into().ok()?) as usize;
-        let part = b.get(4..4 + len)?;
-        *b = &b[4 + len..];
-        Some(part)
-    }
-    let mut headers = Headers::new();
-    while let (Some(n), Some(v)) = (take(&mut b), take(&mut b)) {
-        headers.insert(String::from_utf8_lossy(n).into_owned(), v.to_vec());
-    }
-    headers
-}
-
 fn claimed(row: SqliteRow) -> Result<Claimed, sqlx::Error> {
     let key: Option<Vec<u8>> = row.try_get("message_key")?;
     let payload: Vec<u8> = row.try_get("payload")?;
-    let headers: Vec<u8> = row.try_get("headers")?;
+    let headers: String = row.try_get("headers")?;
+    let headers = serde_json::from_str(&headers).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
     Ok(Claimed {
         id: row.try_get("id")?,
         attempts: row.try_get("attempts")?,
@@ -370,22 +344,7 @@ fn claimed(row: SqliteRow) -> Result<Claimed, sqlx::Error> {
             destination: row.try_get("destination")?,
             key: key.map(Bytes::from),
             payload: Bytes::from(payload),
-            headers: decode_headers(&headers),
+            headers: crate::store::headers_from_json(&headers),
         },
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_round_trip_in_order() {
-        let h = Headers::new()
-            .with("b", "2")
-            .with("a", Vec::<u8>::new())
-            .with("é", vec![0u8, 255]);
-        assert_eq!(decode_headers(&encode_headers(&h)), h);
-        assert_eq!(decode_headers(&[]), Headers::new());
-    }
 }

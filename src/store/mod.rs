@@ -635,3 +635,25 @@ mod tests {
         assert!(j[1].get("value").is_none());
     }
 }
+
+/// [`headers_json`] read back: entries it cannot read are skipped.
+pub(crate) fn headers_from_json(stored: &serde_json::Value) -> Headers {
+    fn field(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> Option<Vec<u8>> {
+        if let Some(s) = obj.get(key).and_then(|v| v.as_str()) {
+            return Some(s.as_bytes().to_vec());
+        }
+        let hex = obj.get(&format!("{key}_hex"))?.as_str()?;
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+            .collect()
+    }
+    let mut headers = Headers::new();
+    for entry in stored.as_array().into_iter().flatten() {
+        let Some(obj) = entry.as_object() else { continue };
+        if let (Some(name), Some(value)) = (field(obj, "name"), field(obj, "value")) {
+            headers.insert(String::from_utf8_lossy(&name).into_owned(), value);
+        }
+    }
+    headers
+}
