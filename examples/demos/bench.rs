@@ -698,7 +698,7 @@ impl Bench {
     }
 
     async fn kafka_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        use rdkafka::admin::{AdminClient, AdminOptions};
         use rdkafka::client::DefaultClientContext;
         let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
         if !reachable(&brokers).await {
@@ -717,19 +717,7 @@ impl Bench {
             let (admin, producer, brokers) = (&admin, &producer, &brokers);
             async move {
                 let topic = format!("bench-{label}-{}", self.run_id);
-                let results = admin
-                    .create_topics(
-                        &[NewTopic::new(
-                            &topic,
-                            self.args.partitions,
-                            TopicReplication::Fixed(1),
-                        )],
-                        &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-                    )
-                    .await?;
-                for r in results {
-                    r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
-                }
+                create_topic(admin, &topic, self.args.partitions).await?;
                 let name = format!("bench-kafka-{label}-{}", self.run_id);
                 let config =
                     txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
@@ -768,19 +756,7 @@ impl Bench {
         }
 
         let topic = format!("bench-peer-{}", self.run_id);
-        let results = admin
-            .create_topics(
-                &[NewTopic::new(
-                    &topic,
-                    self.args.partitions,
-                    TopicReplication::Fixed(1),
-                )],
-                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
-            )
-            .await?;
-        for r in results {
-            r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
-        }
+        create_topic(&admin, &topic, self.args.partitions).await?;
         let publisher = Publisher::Kafka {
             producer: producer.clone(),
             topic: topic.clone(),
@@ -1078,6 +1054,24 @@ fn fmt_opt(v: Option<f64>, width: usize) -> String {
         Some(v) => format!("{v:>width$.2}"),
         None => format!("{:>width$}", "-"),
     }
+}
+
+async fn create_topic(
+    admin: &rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>,
+    topic: &str,
+    partitions: i32,
+) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await?;
+    for r in results {
+        r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// One message the hand-written way: a `processed_ids` row and, if it is new, the effect, in one
