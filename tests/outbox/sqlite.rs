@@ -261,21 +261,7 @@ async fn sqlite_relay_holds_no_write_lock_while_the_broker_confirms() {
     let relay = Relay::new(pool.clone(), recorder.clone(), fast_config()).unwrap();
     let round = tokio::spawn(async move { relay.relay_once().await });
     // Wait until the row is claimed, i.e. the publish has begun.
-    let started = Instant::now();
-    loop {
-        let leased: i64 = sqlx::query_scalar("SELECT count(leased_until) FROM txinbox_outbox")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        if leased == 1 {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the relay never claimed the row"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_leased(&pool, 1).await;
     let writing = Instant::now();
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
     outbox::write(&mut *tx, &OutboxMessage::new("meanwhile", "t", "x"))
@@ -317,14 +303,7 @@ async fn sqlite_a_dead_relays_claim_is_taken_over_when_its_lease_runs_out() {
     let dead = Relay::new(pool.clone(), hanging, config()).unwrap();
     let claimed_at = Instant::now();
     let dying = tokio::spawn(async move { dead.relay_once().await });
-    while sqlx::query_scalar::<_, i64>("SELECT count(leased_until) FROM txinbox_outbox")
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-        < 2
-    {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_leased(&pool, 2).await;
     dying.abort();
     let _ = dying.await;
     // A later row of the same key, written after the claim, must wait too.
