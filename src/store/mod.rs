@@ -609,6 +609,28 @@ pub(crate) fn headers_json(headers: &Headers) -> serde_json::Value {
         .collect()
 }
 
+/// [`headers_json`] read back: entries it cannot read are skipped.
+pub(crate) fn headers_from_json(stored: &serde_json::Value) -> Headers {
+    fn field(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> Option<Vec<u8>> {
+        if let Some(s) = obj.get(key).and_then(|v| v.as_str()) {
+            return Some(s.as_bytes().to_vec());
+        }
+        let hex = obj.get(&format!("{key}_hex"))?.as_str()?;
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+            .collect()
+    }
+    let mut headers = Headers::new();
+    for entry in stored.as_array().into_iter().flatten() {
+        let Some(obj) = entry.as_object() else { continue };
+        if let (Some(name), Some(value)) = (field(obj, "name"), field(obj, "value")) {
+            headers.insert(String::from_utf8_lossy(&name).into_owned(), value);
+        }
+    }
+    headers
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -634,26 +656,4 @@ mod tests {
         assert_eq!(j[2]["value_hex"], "610062");
         assert!(j[1].get("value").is_none());
     }
-}
-
-/// [`headers_json`] read back: entries it cannot read are skipped.
-pub(crate) fn headers_from_json(stored: &serde_json::Value) -> Headers {
-    fn field(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> Option<Vec<u8>> {
-        if let Some(s) = obj.get(key).and_then(|v| v.as_str()) {
-            return Some(s.as_bytes().to_vec());
-        }
-        let hex = obj.get(&format!("{key}_hex"))?.as_str()?;
-        (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
-            .collect()
-    }
-    let mut headers = Headers::new();
-    for entry in stored.as_array().into_iter().flatten() {
-        let Some(obj) = entry.as_object() else { continue };
-        if let (Some(name), Some(value)) = (field(obj, "name"), field(obj, "value")) {
-            headers.insert(String::from_utf8_lossy(&name).into_owned(), value);
-        }
-    }
-    headers
 }
