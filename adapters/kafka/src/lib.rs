@@ -67,6 +67,7 @@
 mod config;
 mod produce;
 mod publisher;
+mod ready;
 mod source;
 mod tracker;
 

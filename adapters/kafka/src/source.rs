@@ -23,6 +23,7 @@ use txinbox::{
 
 use crate::config::{masked_error, KafkaConfig, MissingPosition};
 use crate::produce::{self, Failure};
+use crate::ready::Ready;
 use crate::tracker::{Generation, Partition};
 use crate::{headers, metrics_names};
 
@@ -117,6 +118,8 @@ impl<S: InboxStore> PositionStore for S {
 pub struct KafkaSource {
     shared: Arc<Shared>,
     rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,
+    /// What `rx` held when `receive` last looked, by partition: handed out in turn.
+    ready: Ready<Item>,
     poller_done: Option<oneshot::Receiver<()>>,
 }
 
@@ -330,6 +333,7 @@ impl KafkaSource {
         Ok(KafkaSource {
             shared,
             rx,
+            ready: Ready::default(),
             poller_done: Some(done_rx),
         })
     }
@@ -349,12 +353,26 @@ impl MessageSource for KafkaSource {
 
     async fn receive(&mut self) -> Result<Option<KafkaDelivery>, SourceError> {
         loop {
-            // NOTE: cancellation safe: an item stays in the channel until `recv` returns it.
-            let item = match self.rx.recv().await {
-                Some(Ok(item)) => item,
-                Some(Err(e)) => return Err(e),
-                None if self.shared.stopping() => return Ok(None),
-                None => return Err(SourceError::fatal("the Kafka poller thread stopped")),
+            // Everything the poller handed over so far goes into per-partition queues, which
+            // are served in turn (see `ready`): one partition's backlog must not take every
+            // in-flight slot while the other partitions' lanes wait.
+            loop {
+                match self.rx.try_recv() {
+                    Ok(Ok(item)) => self.ready.push(&item.topic.clone(), item.partition, item),
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => break, // empty, or the poller is gone: `recv` below says which
+                }
+            }
+            // NOTE: cancellation safe: an item stays in `ready` or in the channel until it is
+            // returned (or found stale).
+            let item = match self.ready.pop() {
+                Some(item) => item,
+                None => match self.rx.recv().await {
+                    Some(Ok(item)) => item,
+                    Some(Err(e)) => return Err(e),
+                    None if self.shared.stopping() => return Ok(None),
+                    None => return Err(SourceError::fatal("the Kafka poller thread stopped")),
+                },
             };
             let mut state = self.shared.lock();
             let Some(p) = state.get_mut(&item.topic, item.partition) else {

@@ -719,3 +719,52 @@ async fn dropped_delivery_leaves_its_offset_unstored() {
         "stored up to the dropped delivery, not past it"
     );
 }
+
+/// A partition's lane runs one transaction at a time, so if one partition's backlog took every
+/// in-flight slot the others would wait behind it and batched throughput would be one lane's.
+/// Two partitions with a deep backlog each: the first deliveries alternate between them,
+/// whichever librdkafka fetched first.
+#[tokio::test(flavor = "multi_thread")]
+async fn backlogged_partitions_are_handed_out_in_turn() {
+    use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+    use txinbox::MessageSource;
+    let (mock, topic) = setup_topic("fairness", 2);
+    let db = TestDb::new().await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &mock.bootstrap)
+        .create()
+        .unwrap();
+    for partition in 0..2 {
+        for i in 0..2000 {
+            let key = format!("{partition}-{i}");
+            let record = FutureRecord::to(&topic)
+                .key(&key)
+                .payload(&key)
+                .partition(partition);
+            producer.send_result(record).map_err(|(e, _)| e).unwrap();
+        }
+    }
+    producer.flush(Duration::from_secs(30)).unwrap();
+
+    let config = kafka_config(&mock.bootstrap, "g-fairness", &topic).max_buffered_per_partition(10_000);
+    let mut source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(30), source.receive())
+        .await
+        .expect("a delivery within 30 s")
+        .unwrap()
+        .unwrap();
+    // Both backlogs fetched (a few milliseconds on the mock cluster) before the rest is taken.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut deliveries = vec![first];
+    for _ in 0..99 {
+        deliveries.push(source.receive().await.unwrap().unwrap());
+    }
+    let from_1 = deliveries.iter().filter(|d| d.partition() == 1).count();
+    assert!(
+        (40..=60).contains(&from_1),
+        "of the first 100 deliveries {from_1} came from partition 1 and {} from partition 0: one partition's backlog went first",
+        100 - from_1
+    );
+    drop(deliveries);
+    source.close().await.unwrap();
+}
