@@ -34,6 +34,13 @@
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`). A source whose broker is unreachable is skipped
 //! with a message. pgbench rows need `pgbench` on the PATH.
 //!
+//! Every source also gets two fixed-rate rows (`raw@50%`, `batched@50%`): publishing at half
+//! the batched rate the saturated row reached, for `--paced-seconds` (10; 0 turns them off), to
+//! show the latency batching costs when traffic is light. The `cpu %` column is the CPU used
+//! over a row in percent of one core: this process / the whole machine (broker and PostgreSQL
+//! included). A machine near `cores × 100` is saturated, and a row's limit is then CPU shared by
+//! everything on it.
+//!
 //! Long modes for the README's growth figures (not for CI): `--prefill-rows 10000000` fills the
 //! inbox with that many rows (`generate_series`) and runs the batched memory row again beside the
 //! empty-table one; `--memory-run 1000000` consumes that many messages batched from the memory
@@ -73,6 +80,8 @@ struct Args {
     memory_run: u64,
     pgbench: bool,
     pgbench_seconds: u32,
+    /// How long each fixed-rate row publishes (0: no fixed-rate rows).
+    paced_seconds: u64,
 }
 
 fn parse_args() -> anyhow::Result<Args> {
@@ -91,6 +100,7 @@ fn parse_args() -> anyhow::Result<Args> {
         memory_run: 0,
         pgbench: true,
         pgbench_seconds: 5,
+        paced_seconds: 10,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -110,13 +120,14 @@ fn parse_args() -> anyhow::Result<Args> {
             "--memory-run" => a.memory_run = value()?.parse()?,
             "--pgbench-seconds" => a.pgbench_seconds = value()?.parse()?,
             "--no-pgbench" => a.pgbench = false,
+            "--paced-seconds" => a.paced_seconds = value()?.parse()?,
             "--help" | "-h" => {
                 println!(
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
                      [--sources memory,kafka,amqp] [--batch-size N (100)] [--linger-ms N (0)] [--concurrency N (8)]\n  \
                      [--max-in-flight N (2048)] \
                      [--window N (searched per broker; memory 2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
-                     [--no-pgbench] [--pgbench-seconds N (5)]"
+                     [--no-pgbench] [--pgbench-seconds N (5)] [--paced-seconds N (10; 0: no fixed-rate rows)]"
                 );
                 std::process::exit(0);
             }
@@ -183,6 +194,9 @@ struct Probe {
     /// When the warm-up message had been settled and the measured messages began.
     started_at: OnceLock<Instant>,
     done_at: OnceLock<Instant>,
+    /// The CPU reading taken with `started_at`, and the use from it to `done_at`.
+    cpu_at_start: OnceLock<Option<CpuMeter>>,
+    cpu: OnceLock<Option<CpuUse>>,
     done: tokio::sync::Notify,
 }
 
@@ -194,6 +208,8 @@ impl Probe {
             latency: Histogram::new(),
             started_at: OnceLock::new(),
             done_at: OnceLock::new(),
+            cpu_at_start: OnceLock::new(),
+            cpu: OnceLock::new(),
             done: tokio::sync::Notify::new(),
         })
     }
@@ -205,6 +221,15 @@ impl Probe {
         let end = self.done_at.get().copied().unwrap_or_else(Instant::now);
         end - self.started_at.get().copied().unwrap_or(end)
     }
+    /// Starts the clock (and the CPU reading) of the measured messages.
+    fn start(&self) {
+        let _ = self.cpu_at_start.set(CpuMeter::start());
+        let _ = self.started_at.set(Instant::now());
+    }
+    /// CPU use over the measured messages, once they are all settled.
+    fn cpu(&self) -> Option<CpuUse> {
+        self.cpu.get().copied().flatten()
+    }
     /// One settled message; `sent`: its publish time, if its payload carries one.
     fn record(&self, sent: Option<u64>) {
         let warm = self.started_at.get().is_some();
@@ -213,6 +238,13 @@ impl Probe {
         }
         if self.settled.fetch_add(1, Ordering::Relaxed) + 1 >= self.target {
             let _ = self.done_at.set(Instant::now());
+            let _ = self.cpu.set(
+                self.cpu_at_start
+                    .get()
+                    .copied()
+                    .flatten()
+                    .and_then(CpuMeter::since),
+            );
             self.done.notify_waiters();
         }
     }
@@ -294,6 +326,75 @@ impl<D: Delivery> Delivery for TimedDelivery<D> {
             self.probe.record(sent);
         }
         result
+    }
+}
+
+/// CPU used over an interval, in percent of one core (so up to `cores × 100`).
+#[derive(Debug, Clone, Copy)]
+struct CpuUse {
+    /// This process: the consumer, the publisher and the client libraries' threads.
+    process: f64,
+    /// The whole machine: this process plus the broker, PostgreSQL and anything else.
+    machine: f64,
+}
+
+/// A reading of `/proc` to difference against a later one: (this process's CPU ticks, the
+/// machine's busy ticks, the machine's total ticks).
+#[derive(Debug, Clone, Copy)]
+struct CpuMeter {
+    process: u64,
+    busy: u64,
+    total: u64,
+    at: Instant,
+}
+
+impl CpuMeter {
+    /// `None` where `/proc` cannot be read (not Linux).
+    fn start() -> Option<CpuMeter> {
+        // /proc/self/stat: utime, stime, cutime and cstime are the 14th to 17th fields (the
+        // children's once waited for: pgbench's). The 2nd, the command name in parentheses, may
+        // contain spaces, so count from after its closing ')'.
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let process = fields
+            .get(11..15)?
+            .iter()
+            .map(|f| f.parse::<u64>().ok())
+            .sum::<Option<u64>>()?;
+        // /proc/stat's first line: user nice system idle iowait irq softirq steal, in ticks.
+        let machine = std::fs::read_to_string("/proc/stat").ok()?;
+        let ticks: Vec<u64> = machine
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .map(|t| t.parse().ok())
+            .collect::<Option<_>>()?;
+        let total: u64 = ticks.iter().sum();
+        let idle = ticks.get(3)? + ticks.get(4)?;
+        Some(CpuMeter {
+            process,
+            busy: total - idle,
+            total,
+            at: Instant::now(),
+        })
+    }
+
+    /// CPU use from this reading to now.
+    fn since(self) -> Option<CpuUse> {
+        let now = CpuMeter::start()?;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        // Ticks are USER_HZ, 100 per second on every Linux architecture txinbox runs on.
+        let seconds = now.at.duration_since(self.at).as_secs_f64();
+        let total = now.total.saturating_sub(self.total) as f64;
+        if seconds <= 0.0 || total <= 0.0 {
+            return None;
+        }
+        Some(CpuUse {
+            process: now.process.saturating_sub(self.process) as f64 / seconds,
+            machine: 100.0 * cores * now.busy.saturating_sub(self.busy) as f64 / total,
+        })
     }
 }
 
@@ -425,18 +526,57 @@ impl Publisher {
     }
 }
 
+/// How a row's publisher loads its source.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    /// Messages measured (after the warm-up one).
+    n: u64,
+    /// At most this many published and not yet settled.
+    window: u64,
+    /// Messages per second; `None`: as fast as the window allows (saturation).
+    rate: Option<f64>,
+}
+
+impl Load {
+    fn saturated(n: u64, window: u64) -> Load {
+        Load {
+            n,
+            window,
+            rate: None,
+        }
+    }
+
+    /// What a row's note says about its load.
+    fn describe(&self) -> String {
+        match self.rate {
+            None => format!("window {}", self.window),
+            Some(rate) => format!("paced at {rate:.0} msg/s, window {}", self.window),
+        }
+    }
+}
+
 /// Publishes a warm-up message and waits until it is settled (a Kafka consumer first joins its
-/// group, which takes seconds), starts the clock, then publishes `n` more, keeping at most
-/// `window` published and not yet settled. The probe's target must be `n + 1`.
-async fn publish_loop(publisher: Publisher, n: u64, window: u64, probe: Arc<Probe>) -> anyhow::Result<()> {
+/// group, which takes seconds), starts the clock, then publishes `load.n` more, keeping at most
+/// `load.window` published and not yet settled, and no faster than `load.rate`. The probe's
+/// target must be `load.n + 1`.
+async fn publish_loop(publisher: Publisher, load: Load, probe: Arc<Probe>) -> anyhow::Result<()> {
     publisher.publish(0).await?;
     publisher.finish().await;
     while probe.settled() < 1 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let _ = probe.started_at.set(Instant::now());
-    for seq in 1..=n {
-        while seq.saturating_sub(probe.settled()) >= window {
+    probe.start();
+    let start = tokio::time::Instant::now();
+    for seq in 1..=load.n {
+        if let Some(rate) = load.rate {
+            // Each message at its own time: the timer's millisecond resolution sends them in
+            // bursts of up to rate / 1000, never ahead of the schedule.
+            let due = start + Duration::from_secs_f64((seq - 1) as f64 / rate);
+            if due > tokio::time::Instant::now() {
+                tokio::time::sleep_until(due).await;
+            }
+        }
+        while seq.saturating_sub(probe.settled()) >= load.window {
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
         publisher.publish(seq).await?;
@@ -465,6 +605,15 @@ impl Mode {
     }
 }
 
+/// A fixed-rate row's mode: its saturated mode at half the batched rate.
+fn paced_mode(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Raw => "raw@50%",
+        Mode::PerMessage => "per_msg@50%",
+        Mode::Batched => "batched@50%",
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Row {
     source: String,
@@ -474,6 +623,10 @@ struct Row {
     p50_ms: Option<f64>,
     p99_ms: Option<f64>,
     peak_rss_mb: Option<f64>,
+    /// CPU used over the row, in percent of one core: this process, and the whole machine
+    /// (broker, PostgreSQL and all). A machine near `cores × 100` is saturated: what limits the
+    /// row is CPU, shared by everything on it.
+    cpu: Option<CpuUse>,
     note: String,
 }
 
@@ -487,6 +640,8 @@ impl Row {
             "p50_ms": self.p50_ms,
             "p99_ms": self.p99_ms,
             "peak_rss_mb": self.peak_rss_mb,
+            "cpu_process_pct": self.cpu.map(|c| c.process.round()),
+            "cpu_machine_pct": self.cpu.map(|c| c.machine.round()),
             "note": self.note,
         })
     }
@@ -514,8 +669,9 @@ impl Bench {
         source: Src,
         publisher: Publisher,
         id_strategy: Option<IdStrategy>,
-        (n, window): (u64, u64),
+        load: Load,
     ) -> anyhow::Result<Row> {
+        let n = load.n;
         self.checkpoint().await;
         reset_peak_rss();
         let probe = Probe::new(n + 1);
@@ -523,7 +679,7 @@ impl Bench {
             inner: source,
             probe: probe.clone(),
         };
-        let publishing = tokio::spawn(publish_loop(publisher, n, window, probe.clone()));
+        let publishing = tokio::spawn(publish_loop(publisher, load, probe.clone()));
         match mode {
             Mode::Raw => {
                 let mut source = timed;
@@ -567,14 +723,19 @@ impl Bench {
         publishing.await??;
         let elapsed = probe.elapsed();
         let note = match mode {
-            Mode::Raw => format!("no inbox: receive + ack; window {window}"),
+            Mode::Raw => format!("no inbox: receive + ack; {}", load.describe()),
             Mode::PerMessage => format!(
-                "batch_size 1, concurrency {}; window {window}",
-                self.args.concurrency
+                "batch_size 1, concurrency {}; {}",
+                self.args.concurrency,
+                load.describe()
             ),
             Mode::Batched => format!(
-                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; window {window}",
-                self.args.batch_size, self.args.linger_ms, self.args.concurrency, self.args.max_in_flight
+                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; {}",
+                self.args.batch_size,
+                self.args.linger_ms,
+                self.args.concurrency,
+                self.args.max_in_flight,
+                load.describe()
             ),
         };
         Ok(Row {
@@ -585,6 +746,7 @@ impl Bench {
             p50_ms: probe.latency.quantile_ms(0.50),
             p99_ms: probe.latency.quantile_ms(0.99),
             peak_rss_mb: rss_mb("VmHWM:"),
+            cpu: probe.cpu(),
             note,
         })
     }
@@ -609,7 +771,7 @@ impl Bench {
         self.checkpoint().await;
         reset_peak_rss();
         let probe = Probe::new(n + 1);
-        let publishing = tokio::spawn(publish_loop(publisher, n, window, probe.clone()));
+        let publishing = tokio::spawn(publish_loop(publisher, Load::saturated(n, window), probe.clone()));
         let mut consuming = tokio::spawn(consume(probe.clone()));
         tokio::select! {
             () = probe.wait_done() => consuming.abort(),
@@ -628,6 +790,7 @@ impl Bench {
             p50_ms: probe.latency.quantile_ms(0.50),
             p99_ms: probe.latency.quantile_ms(0.99),
             peak_rss_mb: rss_mb("VmHWM:"),
+            cpu: probe.cpu(),
             note: format!("{note}; window {window}"),
         })
     }
@@ -688,13 +851,49 @@ impl Bench {
                     broker.source(),
                     Publisher::Memory(broker.clone()),
                     None,
-                    (self.count(mode), self.args.window.unwrap_or(MEMORY_WINDOW)),
+                    Load::saturated(self.count(mode), self.args.window.unwrap_or(MEMORY_WINDOW)),
                 )
                 .await?;
             print_row(&row);
             rows.push(row);
         }
+        let window = self.args.window.unwrap_or(MEMORY_WINDOW);
+        for (mode, load) in self.paced(rows, "memory", window) {
+            let broker = MemoryBroker::new("bench");
+            let name = format!("bench-memory-{}-paced-{}", mode.as_str(), self.run_id);
+            let publisher = Publisher::Memory(broker.clone());
+            let mut row = self
+                .row("memory", mode, &name, broker.source(), publisher, None, load)
+                .await?;
+            row.mode = paced_mode(mode);
+            print_row(&row);
+            rows.push(row);
+        }
         Ok(())
+    }
+
+    /// The fixed-rate rows of a source whose saturated rows are in `rows`: raw and batched,
+    /// each at half the batched rate, for `--paced-seconds` (none if that is 0 or the source
+    /// has no batched row).
+    fn paced(&self, rows: &[Row], source: &str, window: u64) -> Vec<(Mode, Load)> {
+        let Some(batched) = rows
+            .iter()
+            .find(|r| r.source == source && r.mode == "batched")
+            .map(|r| r.msgs_per_sec)
+        else {
+            return Vec::new();
+        };
+        let rate = (batched / 2.0).max(1.0);
+        let n = ((rate * self.args.paced_seconds as f64) as u64).min(self.args.messages);
+        if n == 0 {
+            return Vec::new();
+        }
+        let load = Load {
+            n,
+            window,
+            rate: Some(rate),
+        };
+        vec![(Mode::Raw, load), (Mode::Batched, load)]
     }
 
     async fn kafka_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
@@ -713,7 +912,7 @@ impl Bench {
             .set("linger.ms", "5")
             .set("queue.buffering.max.messages", "1000000")
             .create()?;
-        let kafka_row = |mode: Mode, label: String, (n, window): (u64, u64)| {
+        let kafka_row = |mode: Mode, label: String, load: Load| {
             let (admin, producer, brokers) = (&admin, &producer, &brokers);
             async move {
                 let topic = format!("bench-{label}-{}", self.run_id);
@@ -722,7 +921,7 @@ impl Bench {
                 let config =
                     txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
                         .topic(topic.clone())
-                        .max_buffered_per_partition(window as usize);
+                        .max_buffered_per_partition(load.window as usize);
                 let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
                 let publisher = Publisher::Kafka {
                     producer: producer.clone(),
@@ -737,7 +936,7 @@ impl Bench {
                         source,
                         publisher,
                         Some(IdStrategy::Offset),
-                        (n, window),
+                        load,
                     )
                     .await;
                 let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
@@ -746,11 +945,18 @@ impl Bench {
         };
         let window = self
             .window_for("kafka", |n, w| {
-                kafka_row(Mode::Raw, format!("window-{w}"), (n, w))
+                kafka_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
             })
             .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let row = kafka_row(mode, mode.as_str().to_owned(), (self.count(mode), window)).await?;
+            let load = Load::saturated(self.count(mode), window);
+            let row = kafka_row(mode, mode.as_str().to_owned(), load).await?;
+            print_row(&row);
+            rows.push(row);
+        }
+        for (mode, load) in self.paced(rows, "kafka", window) {
+            let mut row = kafka_row(mode, format!("{}-paced", mode.as_str()), load).await?;
+            row.mode = paced_mode(mode);
             print_row(&row);
             rows.push(row);
         }
@@ -800,7 +1006,7 @@ impl Bench {
             }
         };
         let channel = conn.create_channel().await?;
-        let amqp_row = |mode: Mode, label: String, (n, window): (u64, u64)| {
+        let amqp_row = |mode: Mode, label: String, load: Load| {
             let (channel, url) = (&channel, &url);
             async move {
                 let queue = format!("bench-{label}-{}", self.run_id);
@@ -816,16 +1022,14 @@ impl Bench {
                     )
                     .await?;
                 let name = format!("bench-amqp-{label}-{}", self.run_id);
-                let prefetch = (window.min(u16::MAX as u64)) as u16;
+                let prefetch = (load.window.min(u16::MAX as u64)) as u16;
                 let config = txinbox_amqp::AmqpConfig::new(url.clone(), queue.clone()).prefetch(prefetch);
                 let source = txinbox_amqp::AmqpSource::connect(config).await?;
                 let publisher = Publisher::Amqp {
                     channel: channel.clone(),
                     queue: queue.clone(),
                 };
-                let row = self
-                    .row("amqp", mode, &name, source, publisher, None, (n, window))
-                    .await;
+                let row = self.row("amqp", mode, &name, source, publisher, None, load).await;
                 for q in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
                     let _ = channel
                         .queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default())
@@ -835,10 +1039,19 @@ impl Bench {
             }
         };
         let window = self
-            .window_for("amqp", |n, w| amqp_row(Mode::Raw, format!("window-{w}"), (n, w)))
+            .window_for("amqp", |n, w| {
+                amqp_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
+            })
             .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let row = amqp_row(mode, mode.as_str().to_owned(), (self.count(mode), window)).await?;
+            let load = Load::saturated(self.count(mode), window);
+            let row = amqp_row(mode, mode.as_str().to_owned(), load).await?;
+            print_row(&row);
+            rows.push(row);
+        }
+        for (mode, load) in self.paced(rows, "amqp", window) {
+            let mut row = amqp_row(mode, format!("{}-paced", mode.as_str()), load).await?;
+            row.mode = paced_mode(mode);
             print_row(&row);
             rows.push(row);
         }
@@ -903,6 +1116,7 @@ impl Bench {
         let path = std::env::temp_dir().join(format!("txinbox-bench-{}-{batch}.sql", self.run_id));
         std::fs::write(&path, script)?;
         let clients = self.args.concurrency.to_string();
+        let meter = CpuMeter::start();
         let out = std::process::Command::new("pgbench")
             .args(["-n", "-M", "prepared", "-c", &clients, "-j", "2", "-T"])
             .arg(self.args.pgbench_seconds.to_string())
@@ -911,6 +1125,7 @@ impl Bench {
             .arg(&self.url)
             .output()
             .context("running pgbench (is it installed? /usr/bin/pgbench)")?;
+        let cpu = meter.and_then(CpuMeter::since);
         let _ = std::fs::remove_file(&path);
         let text = String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
@@ -936,6 +1151,7 @@ impl Bench {
             p50_ms: None,
             p99_ms: None,
             peak_rss_mb: None,
+            cpu,
             note: format!(
                 "{batch} inbox + {batch} effect rows per transaction, -c {clients} -j 2 -M prepared, {}s; latency avg {} ms",
                 self.args.pgbench_seconds,
@@ -969,7 +1185,7 @@ impl Bench {
                 broker.source(),
                 Publisher::Memory(broker.clone()),
                 None,
-                (
+                Load::saturated(
                     self.count(Mode::Batched),
                     self.args.window.unwrap_or(MEMORY_WINDOW),
                 ),
@@ -1012,8 +1228,7 @@ impl Bench {
         };
         let publishing = tokio::spawn(publish_loop(
             Publisher::Memory(broker.clone()),
-            n,
-            self.args.window.unwrap_or(MEMORY_WINDOW),
+            Load::saturated(n, self.args.window.unwrap_or(MEMORY_WINDOW)),
             probe.clone(),
         ));
         let done = probe.clone();
@@ -1166,14 +1381,14 @@ async fn amqp_peer(
 
 fn header() {
     println!(
-        "{:<18} {:<12} {:>9} {:>10} {:>9} {:>9} {:>10}  note",
-        "source", "mode", "messages", "msg/s", "p50 ms", "p99 ms", "peak MiB"
+        "{:<18} {:<12} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9}  note",
+        "source", "mode", "messages", "msg/s", "p50 ms", "p99 ms", "peak MiB", "cpu %"
     );
 }
 
 fn print_row(r: &Row) {
     println!(
-        "{:<18} {:<12} {:>9} {:>10.0} {} {} {}  {}",
+        "{:<18} {:<12} {:>9} {:>10.0} {} {} {} {:>9}  {}",
         r.source,
         r.mode,
         r.messages,
@@ -1181,6 +1396,8 @@ fn print_row(r: &Row) {
         fmt_opt(r.p50_ms, 9),
         fmt_opt(r.p99_ms, 9),
         fmt_opt(r.peak_rss_mb, 10),
+        r.cpu
+            .map_or("-".into(), |c| format!("{:.0}/{:.0}", c.process, c.machine)),
         r.note
     );
 }
@@ -1290,6 +1507,18 @@ async fn main() -> anyhow::Result<()> {
             }
             if let (Some(b), Some(p)) = (rate(source, "batched"), rate(source, "peer")) {
                 println!("{source}: batched / hand-written peer = {:.1}x", b / p);
+            }
+            let p99 = |mode: &str| {
+                rows.iter()
+                    .find(|r| r.source == source && r.mode == mode)
+                    .and_then(|r| r.p99_ms)
+            };
+            if let (Some(b), Some(r)) = (p99("batched@50%"), p99("raw@50%")) {
+                let linger = args.linger_ms as f64;
+                println!(
+                    "{source}: p99 at half the batched rate: batched {b:.1} ms, raw {r:.1} ms (raw + 2 x linger = {:.1} ms)",
+                    r + 2.0 * linger
+                );
             }
         }
         if let (Some(p), Some(e)) = (
