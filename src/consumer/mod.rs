@@ -324,6 +324,7 @@ where
                 batch_linger: self.batch_linger,
                 concurrency: Semaphore::new(self.concurrency),
                 concurrency_limit: self.concurrency,
+                full_batch: (self.max_in_flight / self.concurrency).max(1),
                 healthy,
                 health,
                 shutdown: CancellationToken::new(),
@@ -371,6 +372,9 @@ pub(crate) struct Shared<St, H> {
     batch_linger: Duration,
     pub(crate) concurrency: Semaphore,
     concurrency_limit: usize,
+    /// `max_in_flight / concurrency` (at least 1): what the shared queue can hold for each
+    /// transaction slot, so the most a "full" batch can wait for (see [`Scheduler::pump`]).
+    full_batch: usize,
     /// `false` while the inbox database is unreachable: intake pauses.
     healthy: watch::Sender<bool>,
     /// What [`Consumer::health`] reports.
@@ -742,6 +746,15 @@ impl<D: crate::source::Delivery> Scheduler<D> {
         };
         while lane.running < max_running && !lane.queue.is_empty() {
             let limit = shared.batch_limit();
+            // The shared queue starts a second transaction only with a full batch: a few
+            // messages each in several concurrent transactions cost the database (and the CPU
+            // it may share with the broker) far more per message than one transaction of dozens,
+            // and the running one takes them when it ends. Under load the queue fills, so all
+            // `concurrency` transactions still run. (Full: as much as max_in_flight leaves each
+            // transaction slot, if that is less than a batch.)
+            if key.is_none() && lane.running > 0 && lane.queue.len() < limit.min(shared.full_batch) {
+                break;
+            }
             if lane.queue.len() < limit && !shared.batch_linger.is_zero() {
                 match lane.linger {
                     Linger::Idle => {

@@ -595,6 +595,9 @@ async fn a_router_picks_the_handler_by_type_and_dead_letters_what_it_cannot_rout
         .source(broker.source())
         .inbox(db.inbox())
         .handler(router)
+        // One transaction per message: a batch with e3 in it would be re-run without it, and
+        // run its neighbours' handlers twice (committed once); these counts are the routing's.
+        .batch_size(1)
         .build()
         .unwrap()
         .run()
@@ -908,6 +911,53 @@ mod batching {
             .batch_linger(Duration::from_millis(300))
             .build()
             .unwrap()
+    }
+
+    /// On the shared queue of unordered deliveries, while a transaction runs, the next one
+    /// starts only with a full batch: eight concurrent transactions of a few messages each cost
+    /// the database (and the CPU it shares with the broker) far more than one of dozens. Under
+    /// load the queue fills and they all run.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn unordered_messages_wait_for_a_full_batch_while_a_transaction_runs() {
+        let db = db().await;
+        let broker = MemoryBroker::new("batch");
+        let mut handler = Recording::new();
+        handler.block_on = Some("first");
+        let (calls, entered) = (handler.calls.clone(), handler.entered.clone());
+        let consumer = Consumer::builder("fullbatch")
+            .source(broker.source())
+            .inbox(db.inbox())
+            .handler(handler)
+            .batch_size(20)
+            .build()
+            .unwrap();
+        let running = tokio::spawn(consumer.run());
+        broker.publish("first", "blocks its transaction");
+        tokio::time::timeout(Duration::from_secs(10), entered.notified())
+            .await
+            .expect("the first message's handler runs");
+        for i in 0..10 {
+            broker.publish(format!("m{i}"), "p");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "10 queued messages (less than a batch of 20) wait for the running transaction"
+        );
+        for i in 10..40 {
+            broker.publish(format!("m{i}"), "p");
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while calls.load(Ordering::SeqCst) < 41 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "with full batches queued, more transactions start beside the blocked one: {} calls",
+                calls.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        running.abort();
     }
 
     #[tokio::test]

@@ -304,10 +304,12 @@ async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_
     assert_eq!(db.balance("alice").await, 10, "the retried deposit applied once");
     assert_eq!(db.balance("carol").await, 1);
     assert_eq!(db.balance("bob").await, 0, "the poison message had no effect");
-    assert_eq!(
-        handler.starts_of("poison").len(),
-        1,
-        "a permanent failure is not retried"
+    // Its handler may run twice (a batch it was in is re-run without it, and it runs alone
+    // once more, on a clean transaction), but never as a second attempt.
+    let poison = handler.starts_of("poison");
+    assert!(
+        !poison.is_empty() && poison.iter().all(|s| s.attempt == 1),
+        "a permanent failure is not retried: {poison:?}"
     );
 
     let dlq = queue.drain_dlq().await;
