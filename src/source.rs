@@ -47,6 +47,15 @@ pub trait MessageSource: Send + 'static {
         let _ = health;
     }
 
+    /// The consumer name under which this source reads the positions its consumer stores, if
+    /// it reads any (a Kafka source: the name given to `KafkaConfig::new`). The consumer refuses
+    /// to build when it is not its own name: the source would never find the positions the
+    /// consumer writes, and every restart would start from the broker's offsets instead. The
+    /// default is `None` (nothing to check). A source that wraps another forwards it.
+    fn positions_consumer(&self) -> Option<&str> {
+        None
+    }
+
     /// Releases the subscription after the runtime has drained and settled every delivery:
     /// flush offsets, cancel the consumer, close channels. Called exactly once, at shutdown.
     async fn close(self) -> Result<(), SourceError>

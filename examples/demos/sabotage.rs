@@ -92,6 +92,10 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
         self.inner.attach_health(health);
     }
 
+    fn positions_consumer(&self) -> Option<&str> {
+        self.inner.positions_consumer()
+    }
+
     async fn close(self) -> Result<(), SourceError> {
         self.inner.close().await
     }

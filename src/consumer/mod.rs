@@ -267,6 +267,17 @@ where
     /// Validates the configuration and builds the consumer.
     pub fn build(self) -> Result<Consumer<Src, St, H>, Error> {
         validate_name(&self.name).map_err(Error::Config)?;
+        if let Some(theirs) = self.source.positions_consumer() {
+            if theirs != self.name {
+                return Err(Error::Config(format!(
+                    "the source reads positions stored by consumer {theirs:?}, but this consumer is {:?} \
+                     and stores them under its own name: the source would never find them, and every \
+                     restart would start from the broker's offsets. Give both the same name (for \
+                     Kafka: KafkaConfig::new's consumer_name and Consumer::builder's name)",
+                    self.name
+                )));
+            }
+        }
         let caps = self.source.capabilities();
         let id_strategy = self.id_strategy.unwrap_or(caps.default_id_strategy);
         id_strategy.validate().map_err(Error::Config)?;

@@ -185,7 +185,8 @@ impl KafkaConfig {
     ///
     /// `consumer_name` must be the name given to
     /// [`txinbox::Consumer::builder`]: the source reads the positions that consumer stored in
-    /// the database when it is assigned partitions.
+    /// the database when it is assigned partitions. The consumer refuses to build under another
+    /// name ([`MessageSource::positions_consumer`](txinbox::MessageSource::positions_consumer)).
     pub fn new(
         brokers: impl Into<String>,
         group_id: impl Into<String>,

@@ -108,6 +108,10 @@ impl<S: InboxStore> PositionStore for S {
 ///   [`revoke_timeout`](KafkaConfig::revoke_timeout) for their in-flight messages, stores and
 ///   commits synchronously, then gives them up. Lost assignments and `_STATE` errors are benign
 ///   (the new owner redelivers, the inbox deduplicates) and logged at info.
+/// - **Partitions take turns**: what the poller fetched is handed out one partition at a time
+///   in rotation, never one partition's whole backlog first (each partition is a lane that runs
+///   one transaction at a time, so a backlog handed out first would hold every in-flight slot
+///   while the other lanes idle). Within a partition, offset order.
 /// - **Backpressure**: a partition with [`max_buffered_per_partition`](KafkaConfig::max_buffered_per_partition)
 ///   unsettled messages is paused, and resumed at half of that; the poller keeps polling.
 /// - **Dead letters** go to `<topic>.dlq` (or the configured topic) with the original key,
@@ -415,6 +419,11 @@ impl MessageSource for KafkaSource {
         if self.shared.health.set(health).is_ok() {
             self.shared.report_assignment();
         }
+    }
+
+    /// [`KafkaConfig::new`]'s `consumer_name`: the consumer refuses to build under another.
+    fn positions_consumer(&self) -> Option<&str> {
+        Some(&self.shared.config.consumer_name)
     }
 
     async fn close(mut self) -> Result<(), SourceError> {

@@ -768,3 +768,37 @@ async fn backlogged_partitions_are_handed_out_in_turn() {
     drop(deliveries);
     source.close().await.unwrap();
 }
+
+/// The source reads positions under `KafkaConfig`'s consumer name and the consumer writes them
+/// under its own: two names would mean positions never found, and every restart starting from
+/// the group's offsets. The consumer refuses to build instead.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_under_another_name_than_its_kafka_source_refuses_to_build() {
+    let (mock, topic) = setup_topic("names", 1);
+    let db = TestDb::new().await;
+    let config = txinbox_kafka::KafkaConfig::new(mock.bootstrap.clone(), "g-names", "payments").topic(topic);
+    let source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
+    let built = txinbox::Consumer::builder("payments-v2")
+        .source(source)
+        .inbox(db.inbox())
+        .handler(DepositHandler::new(1))
+        .build();
+    let Err(error) = built else {
+        panic!("a consumer under another name must not build");
+    };
+    let error = error.to_string();
+    assert!(
+        error.contains("\"payments\"") && error.contains("\"payments-v2\"") && error.contains("same name"),
+        "the error names both and says what to do: {error}"
+    );
+
+    let config =
+        txinbox_kafka::KafkaConfig::new(mock.bootstrap.clone(), "g-names", "payments").topic("names");
+    let source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
+    let consumer = txinbox::Consumer::builder("payments")
+        .source(source)
+        .inbox(db.inbox())
+        .handler(DepositHandler::new(1))
+        .build();
+    assert!(consumer.is_ok(), "the same name builds");
+}
