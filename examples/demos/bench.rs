@@ -302,6 +302,9 @@ impl<S: MessageSource> MessageSource for Timed<S> {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
+    fn positions_consumer(&self) -> Option<&str> {
+        self.inner.positions_consumer()
+    }
     async fn close(self) -> Result<(), SourceError> {
         self.inner.close().await
     }
@@ -416,9 +419,21 @@ fn rss_mb(field: &str) -> Option<f64> {
 
 struct Effects;
 
+/// Handler calls and the messages they handled, for the batched rows' average batch fill (a
+/// message that runs alone, on a lane with nothing else queued, is a call of one). Reset before
+/// each row; rows run one at a time.
+static HANDLER_CALLS: AtomicU64 = AtomicU64::new(0);
+static HANDLED: AtomicU64 = AtomicU64::new(0);
+
+fn count_call(messages: usize) {
+    HANDLER_CALLS.fetch_add(1, Ordering::Relaxed);
+    HANDLED.fetch_add(messages as u64, Ordering::Relaxed);
+}
+
 #[async_trait]
 impl Handler<Postgres> for Effects {
     async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        count_call(1);
         let id = cx.message_id().as_str().to_owned();
         sqlx::query("INSERT INTO bench_effects (message_id, bytes) VALUES ($1, $2)")
             .bind(id)
@@ -439,6 +454,7 @@ impl BatchHandler<Postgres> for Effects {
         cx: &mut BatchContext<'_, Postgres>,
         batch: &[BatchMessage<'_>],
     ) -> Result<(), HandlerError> {
+        count_call(batch.len());
         let ids: Vec<&str> = batch.iter().map(|m| m.id().as_str()).collect();
         let sizes: Vec<i64> = batch.iter().map(|m| m.message().payload().len() as i64).collect();
         sqlx::query(
@@ -679,6 +695,8 @@ impl Bench {
             inner: source,
             probe: probe.clone(),
         };
+        HANDLER_CALLS.store(0, Ordering::Relaxed);
+        HANDLED.store(0, Ordering::Relaxed);
         let publishing = tokio::spawn(publish_loop(publisher, load, probe.clone()));
         match mode {
             Mode::Raw => {
@@ -730,12 +748,13 @@ impl Bench {
                 load.describe()
             ),
             Mode::Batched => format!(
-                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; {}",
+                "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; {}; {:.0} messages per transaction",
                 self.args.batch_size,
                 self.args.linger_ms,
                 self.args.concurrency,
                 self.args.max_in_flight,
-                load.describe()
+                load.describe(),
+                HANDLED.load(Ordering::Relaxed) as f64 / HANDLER_CALLS.load(Ordering::Relaxed).max(1) as f64
             ),
         };
         Ok(Row {
@@ -904,6 +923,34 @@ impl Bench {
             println!("kafka: SKIPPED, no broker at {brokers} (set KAFKA_BROKERS; tansu: source scripts/lib/tansu.sh && ensure_tansu)");
             return Ok(());
         }
+        let topics = std::sync::Mutex::new(Vec::new());
+        let result = self.kafka_rows_on(&brokers, &topics, rows).await;
+        // NOTE: the topics are deleted at the end, by a client that never produced to them or
+        // cached their metadata. Deleting each after its row, while the publisher's producer
+        // was alive, crashed librdkafka 2.12 now and then (SIGSEGV in its metadata cache,
+        // `rd_kafka_metadata_cache_find` from `rd_kafka_metadata_update_op`, a known class of
+        // bugs with deleted topics: librdkafka #4964, #5051).
+        let topics = topics.into_inner().unwrap_or_else(|e| e.into_inner());
+        if !topics.is_empty() {
+            let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()?;
+            let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+            let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
+        }
+        result
+    }
+
+    /// The Kafka rows; each topic created is added to `topics`.
+    async fn kafka_rows_on(
+        &self,
+        brokers: &str,
+        topics: &std::sync::Mutex<Vec<String>>,
+        rows: &mut Vec<Row>,
+    ) -> anyhow::Result<()> {
+        use rdkafka::admin::AdminClient;
+        use rdkafka::client::DefaultClientContext;
+        let brokers = brokers.to_owned();
         let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .create()?;
@@ -917,6 +964,7 @@ impl Bench {
             async move {
                 let topic = format!("bench-{label}-{}", self.run_id);
                 create_topic(admin, &topic, self.args.partitions).await?;
+                topics.lock().unwrap().push(topic.clone());
                 let name = format!("bench-kafka-{label}-{}", self.run_id);
                 let config =
                     txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
@@ -939,7 +987,6 @@ impl Bench {
                         load,
                     )
                     .await;
-                let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
                 row
             }
         };
@@ -963,6 +1010,7 @@ impl Bench {
 
         let topic = format!("bench-peer-{}", self.run_id);
         create_topic(&admin, &topic, self.args.partitions).await?;
+        topics.lock().unwrap().push(topic.clone());
         let publisher = Publisher::Kafka {
             producer: producer.clone(),
             topic: topic.clone(),
@@ -983,7 +1031,6 @@ impl Bench {
                 move |probe| kafka_peer(pool, brokers_, topic_, group, probe),
             )
             .await;
-        let _ = admin.delete_topics(&[topic.as_str()], &AdminOptions::new()).await;
         let row = row?;
         print_row(&row);
         rows.push(row);
