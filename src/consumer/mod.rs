@@ -53,6 +53,9 @@ pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// How long micro-batching stays off after a batch lost a lock conflict (deadlock,
 /// serialization failure, lock timeout) before it grows back.
 const CONTENTION_COOLDOWN: Duration = Duration::from_secs(5);
+/// How long queued unordered messages wait for a running transaction to end (and take them)
+/// before another transaction starts with less than a full batch (see [`Scheduler::pump`]).
+const FULL_BATCH_WAIT: Duration = Duration::from_millis(10);
 /// Default for [`ConsumerBuilder::batch_linger`]: zero, a batch is what is already queued.
 pub const DEFAULT_BATCH_LINGER: Duration = Duration::ZERO;
 
@@ -757,23 +760,29 @@ impl<D: crate::source::Delivery> Scheduler<D> {
         };
         while lane.running < max_running && !lane.queue.is_empty() {
             let limit = shared.batch_limit();
-            // The shared queue starts a second transaction only with a full batch: a few
-            // messages each in several concurrent transactions cost the database (and the CPU
-            // it may share with the broker) far more per message than one transaction of dozens,
-            // and the running one takes them when it ends. Under load the queue fills, so all
-            // `concurrency` transactions still run. (Full: as much as max_in_flight leaves each
-            // transaction slot, if that is less than a batch.)
-            if key.is_none() && lane.running > 0 && lane.queue.len() < limit.min(shared.full_batch) {
-                break;
-            }
-            if lane.queue.len() < limit && !shared.batch_linger.is_zero() {
+            // The shared queue starts a second transaction only with a full batch, or after
+            // FULL_BATCH_WAIT: a few messages each in several concurrent transactions cost the
+            // database (and the CPU it may share with the broker) far more per message than one
+            // transaction of dozens, and the running one usually ends and takes them first.
+            // Under load the queue fills, so all `concurrency` transactions still run; with slow
+            // handlers the wait ends and they run side by side as before. (Full: as much as
+            // max_in_flight leaves each transaction slot, if that is less than a batch.)
+            let wait = if key.is_none() && lane.running > 0 && lane.queue.len() < limit.min(shared.full_batch)
+            {
+                Some(shared.batch_linger.max(FULL_BATCH_WAIT))
+            } else if lane.queue.len() < limit && !shared.batch_linger.is_zero() {
+                Some(shared.batch_linger)
+            } else {
+                None
+            };
+            if let Some(wait) = wait {
                 match lane.linger {
                     Linger::Idle => {
                         self.generation += 1;
-                        let (generation, linger, key) = (self.generation, shared.batch_linger, key.clone());
+                        let (generation, key) = (self.generation, key.clone());
                         lane.linger = Linger::Waiting(generation);
                         self.lingering.push(Box::pin(async move {
-                            tokio::time::sleep(linger).await;
+                            tokio::time::sleep(wait).await;
                             (key, generation)
                         }));
                         break;
