@@ -12,12 +12,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// Per-partition FIFO queues served round robin: one item from each partition that has any,
-/// in the order they first had one.
+/// in the order they first had one. Keyed by the partition's lane (`topic/partition`).
 #[derive(Debug)]
 pub(crate) struct Ready<T> {
-    queues: HashMap<(Arc<str>, i32), VecDeque<T>>,
+    queues: HashMap<Arc<str>, VecDeque<T>>,
     /// The partitions with something queued, in the order they are served.
-    turn: VecDeque<(Arc<str>, i32)>,
+    turn: VecDeque<Arc<str>>,
 }
 
 impl<T> Default for Ready<T> {
@@ -31,10 +31,10 @@ impl<T> Default for Ready<T> {
 
 impl<T> Ready<T> {
     /// Queues `item` behind its partition's earlier ones.
-    pub(crate) fn push(&mut self, topic: &Arc<str>, partition: i32, item: T) {
-        let queue = self.queues.entry((topic.clone(), partition)).or_default();
+    pub(crate) fn push(&mut self, lane: Arc<str>, item: T) {
+        let queue = self.queues.entry(lane.clone()).or_default();
         if queue.is_empty() {
-            self.turn.push_back((topic.clone(), partition));
+            self.turn.push_back(lane);
         }
         queue.push_back(item);
     }
@@ -62,14 +62,14 @@ mod tests {
 
     #[test]
     fn partitions_take_turns_and_each_keeps_its_order() {
-        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        let lane = |l: &str| -> Arc<str> { l.into() };
         let mut ready = Ready::default();
         for i in 0..4 {
-            ready.push(&a, 0, format!("a0-{i}"));
+            ready.push(lane("a/0"), format!("a0-{i}"));
         }
-        ready.push(&a, 1, "a1-0".to_string());
+        ready.push(lane("a/1"), "a1-0".to_string());
         for i in 0..2 {
-            ready.push(&b, 0, format!("b0-{i}"));
+            ready.push(lane("b/0"), format!("b0-{i}"));
         }
         let order: Vec<String> = std::iter::from_fn(|| ready.pop()).collect();
         assert_eq!(
@@ -78,7 +78,7 @@ mod tests {
             "one from each partition in turn, each partition in its own order"
         );
         assert!(ready.queues.is_empty() && ready.turn.is_empty());
-        ready.push(&b, 0, "b0-2".to_string());
+        ready.push(lane("b/0"), "b0-2".to_string());
         assert_eq!(
             ready.pop().as_deref(),
             Some("b0-2"),

@@ -362,7 +362,7 @@ impl MessageSource for KafkaSource {
             // in-flight slot while the other partitions' lanes wait.
             loop {
                 match self.rx.try_recv() {
-                    Ok(Ok(item)) => self.ready.push(&item.topic.clone(), item.partition, item),
+                    Ok(Ok(item)) => self.ready.push(item.lane.clone(), item),
                     Ok(Err(e)) => return Err(e),
                     Err(_) => break, // empty, or the poller is gone: `recv` below says which
                 }
