@@ -891,6 +891,38 @@ impl Bench {
         Ok(())
     }
 
+    /// A broker's rows: raw, per_message and batched at saturation, then the fixed-rate rows.
+    /// `row(mode, label, load)` measures one row (`label` names its topic or queue).
+    async fn source_rows<F, Fut>(
+        &self,
+        source: &str,
+        window: u64,
+        rows: &mut Vec<Row>,
+        mut row: F,
+    ) -> anyhow::Result<()>
+    where
+        F: FnMut(Mode, String, Load) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<Row>>,
+    {
+        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            let r = row(
+                mode,
+                mode.as_str().to_owned(),
+                Load::saturated(self.count(mode), window),
+            )
+            .await?;
+            print_row(&r);
+            rows.push(r);
+        }
+        for (mode, load) in self.paced(rows, source, window) {
+            let mut r = row(mode, format!("{}-paced", mode.as_str()), load).await?;
+            r.mode = paced_mode(mode);
+            print_row(&r);
+            rows.push(r);
+        }
+        Ok(())
+    }
+
     /// The fixed-rate rows of a source whose saturated rows are in `rows`: raw and batched,
     /// each at half the batched rate, for `--paced-seconds` (none if that is 0 or the source
     /// has no batched row).
@@ -995,18 +1027,7 @@ impl Bench {
                 kafka_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
             })
             .await?;
-        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let load = Load::saturated(self.count(mode), window);
-            let row = kafka_row(mode, mode.as_str().to_owned(), load).await?;
-            print_row(&row);
-            rows.push(row);
-        }
-        for (mode, load) in self.paced(rows, "kafka", window) {
-            let mut row = kafka_row(mode, format!("{}-paced", mode.as_str()), load).await?;
-            row.mode = paced_mode(mode);
-            print_row(&row);
-            rows.push(row);
-        }
+        self.source_rows("kafka", window, rows, kafka_row).await?;
 
         let topic = format!("bench-peer-{}", self.run_id);
         create_topic(&admin, &topic, self.args.partitions).await?;
@@ -1090,18 +1111,7 @@ impl Bench {
                 amqp_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
             })
             .await?;
-        for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
-            let load = Load::saturated(self.count(mode), window);
-            let row = amqp_row(mode, mode.as_str().to_owned(), load).await?;
-            print_row(&row);
-            rows.push(row);
-        }
-        for (mode, load) in self.paced(rows, "amqp", window) {
-            let mut row = amqp_row(mode, format!("{}-paced", mode.as_str()), load).await?;
-            row.mode = paced_mode(mode);
-            print_row(&row);
-            rows.push(row);
-        }
+        self.source_rows("amqp", window, rows, amqp_row).await?;
 
         let queue = format!("bench-peer-{}", self.run_id);
         channel
