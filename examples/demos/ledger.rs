@@ -1,5 +1,5 @@
 //! The ledger: a payment consumer whose effect is not idempotent, made effectively-once by
-//! txinbox — and the target of the crash matrix (`examples/demos/chaos/`).
+//! txinbox — and the target of the crash matrix (`tools/chaos/`).
 //!
 //! It consumes payment events, JSON `{"account": "<id>", "amount_cents": <i64>}`, from Kafka or
 //! RabbitMQ and for each one, in a single PostgreSQL transaction with the event's inbox row,
@@ -34,7 +34,7 @@
 //! Then look at `SELECT * FROM accounts` and `SELECT count(*) FROM ledger_entries`. Built with
 //! `cargo build -p txinbox-demos --features crash-points --example ledger`, it aborts at a named
 //! point when `TXINBOX_CRASH_AT=<point>[:<n>]` says so (see `txinbox::crash`); the crash matrix
-//! (`scripts/chaos`, `examples/demos/chaos/`) does that for you.
+//! (`scripts/chaos`, `tools/chaos/`) does that for you.
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};

@@ -2,7 +2,7 @@
 //! from the repository root). The programs themselves live beside this file.
 //!
 //! - [`payments`]: the `ledger` example's events, tables and handler;
-//! - [`reconcile`]: what the `chaos` harness checks after its crash matrix: nothing lost,
+//! - [`reconcile`]: what the crash matrix (`tools/chaos`) checks after its runs: nothing lost,
 //!   nothing doubled;
 //! - [`sabotage`]: a source that acknowledges before the commit, for the harness's proof that
 //!   its database-outage check can fail;

@@ -453,7 +453,7 @@ async fn crash_between_database_commit_and_offset_commit() {
 /// A crash after the database commits and before the offset commit leaves the group offsets
 /// behind the database positions. The restart starts at the database positions; with nothing
 /// new to consume it must still bring the group offsets there, or lag monitoring reports
-/// records that were applied long ago (found by the crash matrix, `examples/demos/chaos`).
+/// records that were applied long ago (found by the crash matrix, `tools/chaos`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn group_offsets_catch_up_with_the_database_positions_without_new_records() {
     let (mock, topic) = setup(2);
