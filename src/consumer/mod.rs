@@ -1,5 +1,5 @@
 //! The runtime: [`Consumer`] pulls deliveries, runs each through the inbox pipeline
-//! ([`process`]) and settles it.
+//! ([`single`]) and settles it.
 //!
 //! Scheduling: one intake task calls [`MessageSource::receive`] while fewer than
 //! `max_in_flight` deliveries are unsettled and the database is healthy. The scheduler queues
@@ -9,12 +9,12 @@
 //! transactions are open at once (a semaphore).
 //!
 //! Micro-batching: a task takes what is already queued for its lane, up to `batch_size`
-//! deliveries, and processes them in one transaction ([`process::process_batch`]). With a
+//! deliveries, and processes them in one transaction ([`single::process_batch`]). With a
 //! `batch_linger`, a lane with fewer queued waits up to that long for more before it starts.
 //! Under load a lane's queue fills while its previous transaction commits, so batches form by
 //! themselves; an idle consumer sends a lone message at once.
 
-mod process;
+mod single;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -632,7 +632,7 @@ where
                             // redelivered; stop rather than run its lane out of order.
                             let error = SourceError::fatal(format!("message task failed: {e}"));
                             shared.fail(Error::Source(error));
-                            (e.id(), process::LaneEnd::Stopped(process::Stop::for_good()))
+                            (e.id(), single::LaneEnd::Stopped(single::Stop::for_good()))
                         }
                     };
                     if let Some(key) = sched.task_lanes.remove(&id) {
@@ -640,8 +640,8 @@ where
                         lane.running -= 1;
                         match &key {
                             Some(ordered) => match end {
-                                process::LaneEnd::Done => sched.pump(&key, &mut tasks, &shared),
-                                process::LaneEnd::Stopped(stop) => {
+                                single::LaneEnd::Done => sched.pump(&key, &mut tasks, &shared),
+                                single::LaneEnd::Stopped(stop) => {
                                     // Queued behind the stop: dropped unsettled, unless the lane
                                     // was started over meanwhile (then it goes on from there).
                                     let queue = &mut lane.queue;
@@ -691,7 +691,7 @@ struct Scheduler<D> {
     /// Lanes whose delivery was left unsettled: nothing after it may run (it would overtake
     /// it), so their later deliveries are dropped unsettled too and will be redelivered. With
     /// where it stopped: see [`Scheduler::stays_stopped`].
-    stopped_lanes: HashMap<Arc<str>, process::Stop>,
+    stopped_lanes: HashMap<Arc<str>, single::Stop>,
     /// Linger timers: the lane and the generation that started it.
     lingering: FuturesUnordered<LingerTimer>,
     generation: u64,
@@ -724,7 +724,7 @@ enum Linger {
 
 impl<D: crate::source::Delivery> Scheduler<D> {
     /// Whether `delivery` of stopped lane `key` must be dropped: until the source starts the
-    /// lane over ([`process::Stop::starts_over`]: another assignment of the lane, or a
+    /// lane over ([`single::Stop::starts_over`]: another assignment of the lane, or a
     /// delivery at or before where it stopped).
     fn stays_stopped(&mut self, key: &Arc<str>, delivery: &D) -> bool {
         let Some(stop) = self.stopped_lanes.get(key) else {
@@ -744,7 +744,7 @@ impl<D: crate::source::Delivery> Scheduler<D> {
     fn pump<St, H>(
         &mut self,
         key: &LaneKey,
-        tasks: &mut JoinSet<process::LaneEnd>,
+        tasks: &mut JoinSet<single::LaneEnd>,
         shared: &Arc<Shared<St, H>>,
     ) where
         St: InboxStore,
@@ -800,7 +800,7 @@ impl<D: crate::source::Delivery> Scheduler<D> {
                 .spawn(async move {
                     let (deliveries, _slots): (Vec<D>, Vec<Slot>) =
                         batch.into_iter().map(|i| (i.delivery, i._slot)).unzip();
-                    process::process_batch(&shared, deliveries).await
+                    single::process_batch(&shared, deliveries).await
                 })
                 .id();
             self.task_lanes.insert(id, key.clone());
