@@ -1,0 +1,121 @@
+//! What the scheduler and every message task share: the configuration in force, the database's
+//! health, the adaptive batch size, shutdown and the fatal error.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{watch, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::error::Error;
+use crate::health;
+use crate::message::{Fingerprint, IdStrategy};
+use crate::retry::RetryPolicy;
+use crate::source::RetryMode;
+use crate::telemetry;
+
+/// How long micro-batching stays off after a batch lost a lock conflict (deadlock,
+/// serialization failure, lock timeout) before it grows back.
+pub(super) const CONTENTION_COOLDOWN: Duration = Duration::from_secs(5);
+
+/// State shared by the scheduler and every message task.
+pub(crate) struct Shared<St, H> {
+    pub(crate) name: Arc<str>,
+    pub(crate) system: &'static str,
+    pub(crate) retry_mode: RetryMode,
+    pub(crate) store: St,
+    pub(crate) handler: H,
+    pub(crate) id_strategy: IdStrategy,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) max_message_bytes: usize,
+    pub(crate) dead_letter_payload_limit: usize,
+    pub(super) batch_size: usize,
+    /// The batch size in force: `batch_size`, halved by each batch cut by lock contention and
+    /// grown back by committed batches (see [`Shared::batch_limit`]).
+    pub(super) batch_limit: AtomicUsize,
+    /// When a batch was last cut by lock contention, in ms since `started` (0: never).
+    pub(super) contended_at: AtomicU64,
+    pub(super) started: std::time::Instant,
+    pub(super) batch_linger: Duration,
+    pub(crate) concurrency: Semaphore,
+    pub(super) concurrency_limit: usize,
+    /// `max_in_flight / concurrency` (at least 1): what the shared queue can hold for each
+    /// transaction slot, so the most a "full" batch can wait for (see [`Scheduler::pump`](super::scheduler::Scheduler::pump)).
+    pub(super) full_batch: usize,
+    /// `false` while the inbox database is unreachable: intake pauses.
+    pub(super) healthy: watch::Sender<bool>,
+    /// What [`Consumer::health`](super::Consumer::health) reports.
+    pub(super) health: Arc<health::State>,
+    pub(crate) shutdown: CancellationToken,
+    pub(super) fatal: Mutex<Option<Error>>,
+    pub(crate) metrics: telemetry::Metrics,
+}
+
+impl<St, H> Shared<St, H> {
+    pub(crate) fn set_healthy(&self, healthy: bool) {
+        self.health.set_database(healthy);
+        let changed = self
+            .healthy
+            .send_if_modified(|h| std::mem::replace(h, healthy) != healthy);
+        if changed && healthy {
+            tracing::info!(consumer = %self.name, "inbox database reachable again; intake resumes");
+        } else if changed {
+            tracing::warn!(consumer = %self.name, "inbox database unreachable; intake paused, nothing is acknowledged until it returns");
+        }
+    }
+
+    pub(super) async fn wait_healthy(&self) {
+        let mut rx = self.healthy.subscribe();
+        tokio::select! {
+            _ = rx.wait_for(|h| *h) => {}
+            _ = self.shutdown.cancelled() => {}
+        }
+    }
+
+    /// Stops the consumer with `error`: intake stops, in-flight work drains.
+    pub(crate) fn fail(&self, error: Error) {
+        tracing::error!(consumer = %self.name, %error, "stopping consumer");
+        self.fatal.lock().unwrap().get_or_insert(error);
+        self.shutdown.cancel();
+    }
+
+    /// How many messages a batch may hold now. Batches of different lanes whose handlers write
+    /// the same rows in different orders deadlock (each costing PostgreSQL's
+    /// `deadlock_timeout`, 1 s by default), and the more rows a transaction holds the likelier
+    /// that is. So a batch cut by lock contention turns batching off (size 1) for
+    /// [`CONTENTION_COOLDOWN`]; after it, every transaction that ends without a lock conflict
+    /// (a batch, or a message alone: at size 1 there are no batches) grows the size by an
+    /// eighth (at least 1) back up to `batch_size`.
+    pub(crate) fn batch_limit(&self) -> usize {
+        self.batch_limit.load(Ordering::Relaxed)
+    }
+
+    /// Adapts [`batch_limit`](Self::batch_limit) to how a batch, or a message alone, ended.
+    pub(crate) fn batch_contended(&self, contended: bool) {
+        let now = self.started.elapsed().as_millis() as u64;
+        if contended {
+            self.contended_at.store(now, Ordering::Relaxed);
+            self.batch_limit.store(1, Ordering::Relaxed);
+            return;
+        }
+        let since = now.saturating_sub(self.contended_at.load(Ordering::Relaxed));
+        if self.batch_limit() < self.batch_size && since >= CONTENTION_COOLDOWN.as_millis() as u64 {
+            let max = self.batch_size;
+            let _ = self
+                .batch_limit
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some((n + (n / 8).max(1)).min(max))
+                });
+        }
+    }
+
+    /// Sleeps `delay`, or returns `false` at once if shutdown starts.
+    pub(crate) async fn sleep(&self, delay: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = self.shutdown.cancelled() => false,
+        }
+    }
+}
