@@ -1,0 +1,241 @@
+//! [`KafkaSource`]: creates the consumer and its poller thread, hands out what the poller
+//! received (partitions in turn) and closes.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+use async_trait::async_trait;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::producer::FutureProducer;
+use tokio::sync::{mpsc, oneshot};
+use txinbox::{Capabilities, IdStrategy, MessageSource, RetryMode, SourceError};
+
+use crate::config::{masked_error, KafkaConfig};
+use crate::delivery::KafkaDelivery;
+use crate::poller::{poll_loop, PollerContext};
+use crate::positions::PositionStore;
+use crate::ready::Ready;
+use crate::state::{Item, Shared, State};
+
+/// A Kafka consumer-group member as a [`MessageSource`].
+///
+/// - **Lanes**: one per topic-partition (`Lane::Ordered("topic/partition")`): partitions are
+///   processed concurrently, each in offset order.
+/// - **Offsets**: `enable.auto.offset.store=false`; a partition's stored offset is its highest
+///   contiguous settled offset + 1, so nothing is stored for a message whose transaction has not
+///   committed. Stored offsets reach the group through librdkafka's auto-commit (for lag tools)
+///   and synchronously on revocation and close.
+/// - **Positions**: [`Delivery::position`] is `(topic, partition, offset + 1)`, which the runtime
+///   stores with the effects. On assignment each partition starts at the database position when
+///   there is one. That makes a crash between the database commit and the offset commit, and a
+///   database restore, resume exactly where the database's state ends. Without one: at
+///   `auto.offset.reset` when the group has no committed offset either, else as
+///   [`KafkaConfig::on_missing_position`] says (default: hold the partition until a position is
+///   written). The consumer group is recorded with the consumer name on assignment; another
+///   group already recorded for the name stops the source.
+/// - **Rebalances** (eager and cooperative-sticky) run on the poller thread: a revocation stops
+///   handing out the revoked partitions' messages, waits up to
+///   [`revoke_timeout`](KafkaConfig::revoke_timeout) for their in-flight messages, stores and
+///   commits synchronously, then gives them up. Lost assignments and `_STATE` errors are benign
+///   (the new owner redelivers, the inbox deduplicates) and logged at info.
+/// - **Partitions take turns**: what the poller fetched is handed out one partition at a time
+///   in rotation, never one partition's whole backlog first (each partition is a lane that runs
+///   one transaction at a time, so a backlog handed out first would hold every in-flight slot
+///   while the other lanes idle). Within a partition, offset order.
+/// - **Backpressure**: a partition with [`max_buffered_per_partition`](KafkaConfig::max_buffered_per_partition)
+///   unsettled messages is paused, and resumed at half of that; the poller keeps polling.
+/// - **Dead letters** go to `<topic>.dlq` (or the configured topic) with the original key,
+///   payload and headers plus `txinbox.dlq.*` headers ([`headers`](crate::headers)); the
+///   original offset is stored only after the broker confirmed the dead letter. Too large: a
+///   copy without the payload, then without the original headers. Refused for good: logged,
+///   counted, settled (the database's row is the record). Transient: retried while assigned.
+///
+/// [`Delivery::position`]: txinbox::Delivery::position
+pub struct KafkaSource {
+    shared: Arc<Shared>,
+    rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,
+    /// What `rx` held when `receive` last looked, by partition: handed out in turn.
+    ready: Ready<Item>,
+    poller_done: Option<oneshot::Receiver<()>>,
+}
+
+impl fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("group", &self.shared.config.group_id)
+            .field("topics", &self.shared.config.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSource {
+    /// Creates the consumer, subscribes and starts the poller thread.
+    ///
+    /// `positions` is where the consumer's positions are stored: pass its inbox store
+    /// (`inbox.clone()`). Must be called inside a Tokio runtime: position loads during
+    /// rebalances run on it.
+    pub fn new(config: KafkaConfig, positions: impl PositionStore) -> Result<Self, txinbox::Error> {
+        config.validate().map_err(txinbox::Error::Config)?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            txinbox::Error::Config("KafkaSource::new must be called inside a Tokio runtime".into())
+        })?;
+        let producer_config = config.producer_config();
+        let producer: FutureProducer = producer_config.create().map_err(|e| {
+            txinbox::Error::Config(format!(
+                "creating the dead-letter producer failed: {}",
+                masked_error(&e, &producer_config)
+            ))
+        })?;
+        let shared = Arc::new(Shared {
+            config: config.clone(),
+            state: Mutex::new(State::new(&config.consumer_name)),
+            settled: Condvar::new(),
+            stop: AtomicBool::new(false),
+            producer,
+            fatal: Mutex::new(None),
+            health: OnceLock::new(),
+        });
+        let context = PollerContext {
+            shared: shared.clone(),
+            positions: Arc::new(positions),
+            runtime,
+            last_error: Mutex::new(String::new()),
+            lag_reported: Mutex::new(Vec::new()),
+        };
+        let consumer_config = config.consumer_config();
+        let consumer: BaseConsumer<PollerContext> =
+            consumer_config.create_with_context(context).map_err(|e| {
+                txinbox::Error::Config(format!(
+                    "creating the Kafka consumer failed: {}",
+                    masked_error(&e, &consumer_config)
+                ))
+            })?;
+        let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| txinbox::Error::Config(format!("subscribing to {topics:?} failed: {e}")))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (done_tx, done_rx) = oneshot::channel();
+        let poller_shared = shared.clone();
+        static POLLERS: AtomicU64 = AtomicU64::new(0);
+        std::thread::Builder::new()
+            .name(format!(
+                "txinbox-kafka-poll-{}",
+                POLLERS.fetch_add(1, Ordering::Relaxed)
+            ))
+            .spawn(move || {
+                poll_loop(consumer, &poller_shared, &tx);
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| txinbox::Error::Config(format!("starting the poller thread failed: {e}")))?;
+        Ok(KafkaSource {
+            shared,
+            rx,
+            ready: Ready::default(),
+            poller_done: Some(done_rx),
+        })
+    }
+}
+
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        // Without close (the consumer's future was dropped, like a crash): the poller stops,
+        // commits what was stored (only offsets whose transactions committed) and leaves.
+        self.shared.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl MessageSource for KafkaSource {
+    type Delivery = KafkaDelivery;
+
+    async fn receive(&mut self) -> Result<Option<KafkaDelivery>, SourceError> {
+        loop {
+            // Everything the poller handed over so far goes into per-partition queues, which
+            // are served in turn (see `ready`): one partition's backlog must not take every
+            // in-flight slot while the other partitions' lanes wait.
+            loop {
+                match self.rx.try_recv() {
+                    Ok(Ok(item)) => self.ready.push(item.lane.clone(), item),
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => break, // empty, or the poller is gone: `recv` below says which
+                }
+            }
+            // NOTE: cancellation safe: an item stays in `ready` or in the channel until it is
+            // returned (or found stale).
+            let item = match self.ready.pop() {
+                Some(item) => item,
+                None => match self.rx.recv().await {
+                    Some(Ok(item)) => item,
+                    Some(Err(e)) => return Err(e),
+                    None if self.shared.stopping() => return Ok(None),
+                    None => return Err(SourceError::fatal("the Kafka poller thread stopped")),
+                },
+            };
+            let mut state = self.shared.lock();
+            let Some(p) = state.get_mut(&item.topic, item.partition) else {
+                continue; // revoked: the new owner delivers it
+            };
+            if p.epoch() != item.generation.epoch {
+                continue;
+            }
+            if p.revoking {
+                p.discard_buffered();
+                continue;
+            }
+            p.hand_out();
+            drop(state);
+            return Ok(Some(KafkaDelivery {
+                message: item.message,
+                lane: item.lane,
+                topic: item.topic,
+                partition: item.partition,
+                offset: item.offset,
+                timestamp: item.timestamp,
+                generation: item.generation,
+                shared: self.shared.clone(),
+                settled: false,
+            }));
+        }
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            system: "kafka",
+            retry: RetryMode::InPlace,
+            default_id_strategy: IdStrategy::CloudEvents,
+        }
+    }
+
+    /// Reports the assigned partitions (`topic/partition`) after every rebalance, and the
+    /// broker connection from librdkafka's statistics (connected while any broker is up).
+    fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
+        if self.shared.health.set(health).is_ok() {
+            self.shared.report_assignment();
+        }
+    }
+
+    /// [`KafkaConfig::new`]'s `consumer_name`: the consumer refuses to build under another.
+    fn positions_consumer(&self) -> Option<&str> {
+        Some(&self.shared.config.consumer_name)
+    }
+
+    async fn close(mut self) -> Result<(), SourceError> {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let timeout = self.shared.config.close_timeout;
+        if let Some(done) = self.poller_done.take() {
+            if tokio::time::timeout(timeout, done).await.is_err() {
+                tracing::warn!(
+                    ?timeout,
+                    "the Kafka consumer did not close in time; leaving it to close in the background"
+                );
+            }
+        }
+        // The producer's drop flushes and joins its thread: not on a runtime worker.
+        let shared = self.shared.clone();
+        drop(self);
+        let _ = tokio::task::spawn_blocking(move || drop(shared)).await;
+        Ok(())
+    }
+}
