@@ -11,7 +11,7 @@ use lapin::{Acker, BasicProperties, Confirmation};
 use txinbox::{async_trait, DeadLetter, Delivery, Lane, Message, Origin, SettleError, Settlement};
 
 use crate::headers::{int_header, to_headers};
-use crate::source::{Generation, Shared};
+use crate::shared::{Generation, Shared};
 use crate::telemetry;
 
 /// Header carrying how often a message went through the retry queue (1 on the first retry
