@@ -88,6 +88,7 @@
 //! password is never logged.
 
 mod config;
+mod confirm;
 mod delivery;
 mod error;
 mod headers;
