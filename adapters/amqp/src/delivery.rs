@@ -7,11 +7,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{Acker, BasicProperties, Confirmation};
+use lapin::{Acker, BasicProperties};
 use txinbox::{async_trait, DeadLetter, Delivery, Lane, Message, Origin, SettleError, Settlement};
 
+use crate::confirm::confirmed;
 use crate::headers::{int_header, to_headers};
-use crate::source::{Generation, Shared};
+use crate::shared::{Generation, Shared};
 use crate::telemetry;
 
 /// Header carrying how often a message went through the retry queue (1 on the first retry
@@ -178,29 +179,18 @@ impl AmqpDelivery {
                 .await?;
             confirm.await
         };
-        match tokio::time::timeout(self.shared.publish_timeout, publish).await {
-            Ok(Ok(Confirmation::Ack(None))) => {
+        match confirmed(self.shared.publish_timeout, publish).await {
+            Ok(()) => {
                 self.shared
                     .counter(telemetry::PUBLISHED, &[("kind", kind)])
                     .increment(1);
                 Ok(())
             }
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => Err(fail(
-                "unroutable",
-                format!(
-                    "returned by the broker: {} {}; does the queue exist?",
-                    returned.reply_code, returned.reply_text
-                ),
-            )),
-            Ok(Ok(Confirmation::Nack(_))) => Err(fail("nack", "negatively confirmed by the broker".into())),
-            Ok(Ok(Confirmation::NotRequested)) => Err(fail("error", "publisher confirms are off".into())),
-            Ok(Err(e)) => Err(fail("error", e.to_string())),
-            Err(_) => Err(fail(
-                "timeout",
-                format!(
-                    "no confirm within {:?} (publish_timeout)",
-                    self.shared.publish_timeout
-                ),
+            Err(unconfirmed) => Err(fail(
+                unconfirmed.cause(),
+                unconfirmed.detail(|code, text| {
+                    format!("returned by the broker: {code} {text}; does the queue exist?")
+                }),
             )),
         }
     }

@@ -88,10 +88,12 @@
 //! password is never logged.
 
 mod config;
+mod confirm;
 mod delivery;
 mod error;
 mod headers;
 mod publisher;
+mod shared;
 mod source;
 pub mod telemetry;
 
@@ -102,7 +104,8 @@ pub use config::{
 pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
 pub use error::Error;
 pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};
-pub use source::{AmqpMonitor, AmqpSource};
+pub use shared::AmqpMonitor;
+pub use source::AmqpSource;
 
 /// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].
 pub use lapin;

@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
+use crate::confirm::confirmed;
 use crate::error::Error;
 
 /// The header that carries an outbox row's key. A consumer that must apply one key's messages
@@ -252,19 +253,14 @@ impl Publisher for AmqpPublisher {
                 .await?;
             confirm.await
         };
-        let verdict = tokio::time::timeout(self.publish_timeout, publish).await;
+        let verdict = confirmed(self.publish_timeout, publish).await;
         lane.settled = true;
         let session = &mut *lane.session;
         let failure = match verdict {
-            Ok(Ok(Confirmation::Ack(None))) => return Ok(()),
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => format!(
-                "returned as unroutable ({} {}); is a queue bound for this routing key?",
-                returned.reply_code, returned.reply_text
-            ),
-            Ok(Ok(Confirmation::Nack(_))) => "negatively confirmed by the broker".to_string(),
-            Ok(Ok(Confirmation::NotRequested)) => "publisher confirms are off".to_string(),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no confirm within {:?} (publish_timeout)", self.publish_timeout),
+            Ok(()) => return Ok(()),
+            Err(unconfirmed) => unconfirmed.detail(|code, text| {
+                format!("returned as unroutable ({code} {text}); is a queue bound for this routing key?")
+            }),
         };
         // The channel's state is uncertain now (a late confirm or return could be paired with
         // the next publish): start over with a fresh connection.

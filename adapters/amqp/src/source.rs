@@ -19,6 +19,7 @@ use txinbox::{async_trait, Capabilities, IdStrategy, MessageSource, RetryMode, S
 use crate::config::AmqpConfig;
 use crate::delivery::AmqpDelivery;
 use crate::error::Error;
+use crate::shared::{AmqpMonitor, Generation, Shared};
 use crate::telemetry;
 
 /// How often the supervisor checks the connection and channel state, besides watching the
@@ -29,81 +30,6 @@ const STATUS_CHECK: Duration = Duration::from_millis(500);
 const DEPTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Longest wait for a graceful `basic.cancel` / `channel.close` / `connection.close`.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// State shared by the source, its supervisor and every delivery.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) queue: Arc<str>,
-    pub(crate) retry_queue: ShortString,
-    pub(crate) dead_letter_queue: ShortString,
-    pub(crate) lane_header: Option<String>,
-    pub(crate) publish_timeout: Duration,
-    pub(crate) requeue_delay: Duration,
-    pub(crate) monitor: AmqpMonitor,
-    /// Where the connection state is reported, once the consumer attached it.
-    pub(crate) health: std::sync::OnceLock<txinbox::health::SourceHealth>,
-}
-
-impl Shared {
-    pub(crate) fn counter(
-        &self,
-        name: &'static str,
-        labels: &[(&'static str, &'static str)],
-    ) -> metrics::Counter {
-        let mut all = vec![metrics::Label::new("queue", self.queue.to_string())];
-        all.extend(labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)));
-        metrics::counter!(name, all)
-    }
-}
-
-/// One connection + channel + consumer. Deliveries carry their generation; once it is marked
-/// dead nothing is sent on its channel any more.
-#[derive(Debug)]
-pub(crate) struct Generation {
-    pub(crate) id: u64,
-    pub(crate) channel: Channel,
-    alive: AtomicBool,
-    /// Held from a copy's publish to its confirm. lapin pairs a `basic.return` with whichever
-    /// confirm completes next, not with its own publish, so with several copies in flight an
-    /// unroutable copy could be taken as confirmed and its original acked: one at a time.
-    pub(crate) publish_lock: tokio::sync::Mutex<()>,
-}
-
-impl Generation {
-    pub(crate) fn alive(&self) -> bool {
-        self.alive.load(Ordering::SeqCst) && self.channel.status().connected()
-    }
-}
-
-/// Connection health of one [`AmqpSource`], for readiness checks and tests. Cheap to clone.
-#[derive(Debug, Clone, Default)]
-pub struct AmqpMonitor {
-    inner: Arc<MonitorState>,
-}
-
-#[derive(Debug, Default)]
-struct MonitorState {
-    connected: AtomicBool,
-    generation: AtomicU64,
-    reconnects: AtomicU64,
-}
-
-impl AmqpMonitor {
-    /// Whether a consumer is registered on a live channel right now.
-    pub fn is_connected(&self) -> bool {
-        self.inner.connected.load(Ordering::SeqCst)
-    }
-
-    /// The current connection generation: 1 for the first connection, +1 per reconnect.
-    pub fn generation(&self) -> u64 {
-        self.inner.generation.load(Ordering::SeqCst)
-    }
-
-    /// How many times the connection, channel or consumer was rebuilt.
-    pub fn reconnects(&self) -> u64 {
-        self.inner.reconnects.load(Ordering::SeqCst)
-    }
-}
 
 /// A RabbitMQ queue consumer for a txinbox [`Consumer`](txinbox::Consumer).
 ///

@@ -64,19 +64,27 @@
 //! - `Debug` output and client-creation errors mask secret property values
 //!   ([`txinbox::redact`]).
 
+mod assignment;
 mod config;
+mod dead_letter;
+mod delivery;
+mod poller;
+mod positions;
 mod produce;
 mod publisher;
 mod ready;
 mod source;
+mod state;
 mod tracker;
 
 pub use config::{
     KafkaConfig, MissingPosition, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
+pub use delivery::KafkaDelivery;
+pub use positions::PositionStore;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
-pub use source::{KafkaDelivery, KafkaSource, PositionStore};
+pub use source::KafkaSource;
 
 /// Headers added to every dead-letter record (besides the original record's headers).
 pub mod headers {

@@ -1,0 +1,87 @@
+//! What the source's supervisor and its deliveries share: the queue's names, settings and
+//! metric labels ([`Shared`]), the connection generation a delivery belongs to ([`Generation`])
+//! and the connection health ([`AmqpMonitor`]).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::types::ShortString;
+use lapin::Channel;
+
+/// State shared by the source, its supervisor and every delivery.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) queue: Arc<str>,
+    pub(crate) retry_queue: ShortString,
+    pub(crate) dead_letter_queue: ShortString,
+    pub(crate) lane_header: Option<String>,
+    pub(crate) publish_timeout: Duration,
+    pub(crate) requeue_delay: Duration,
+    pub(crate) monitor: AmqpMonitor,
+    /// Where the connection state is reported, once the consumer attached it.
+    pub(crate) health: std::sync::OnceLock<txinbox::health::SourceHealth>,
+}
+
+impl Shared {
+    pub(crate) fn counter(
+        &self,
+        name: &'static str,
+        labels: &[(&'static str, &'static str)],
+    ) -> metrics::Counter {
+        let mut all = vec![metrics::Label::new("queue", self.queue.to_string())];
+        all.extend(labels.iter().map(|(k, v)| metrics::Label::new(*k, *v)));
+        metrics::counter!(name, all)
+    }
+}
+
+/// One connection + channel + consumer. Deliveries carry their generation; once it is marked
+/// dead nothing is sent on its channel any more.
+#[derive(Debug)]
+pub(crate) struct Generation {
+    pub(crate) id: u64,
+    pub(crate) channel: Channel,
+    pub(crate) alive: AtomicBool,
+    /// Held from a copy's publish to its confirm. lapin pairs a `basic.return` with whichever
+    /// confirm completes next, not with its own publish, so with several copies in flight an
+    /// unroutable copy could be taken as confirmed and its original acked: one at a time.
+    pub(crate) publish_lock: tokio::sync::Mutex<()>,
+}
+
+impl Generation {
+    pub(crate) fn alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst) && self.channel.status().connected()
+    }
+}
+
+/// Connection health of one [`AmqpSource`], for readiness checks and tests. Cheap to clone.
+///
+/// [`AmqpSource`]: crate::AmqpSource
+#[derive(Debug, Clone, Default)]
+pub struct AmqpMonitor {
+    pub(crate) inner: Arc<MonitorState>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct MonitorState {
+    pub(crate) connected: AtomicBool,
+    pub(crate) generation: AtomicU64,
+    pub(crate) reconnects: AtomicU64,
+}
+
+impl AmqpMonitor {
+    /// Whether a consumer is registered on a live channel right now.
+    pub fn is_connected(&self) -> bool {
+        self.inner.connected.load(Ordering::SeqCst)
+    }
+
+    /// The current connection generation: 1 for the first connection, +1 per reconnect.
+    pub fn generation(&self) -> u64 {
+        self.inner.generation.load(Ordering::SeqCst)
+    }
+
+    /// How many times the connection, channel or consumer was rebuilt.
+    pub fn reconnects(&self) -> u64 {
+        self.inner.reconnects.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,274 @@
+//! Dead letters of a [`KafkaDelivery`]: the record with its `txinbox.dlq.*` headers, the
+//! reduced copies when it is too large, and the retries while the topic is unavailable.
+
+use std::time::Duration;
+
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::FutureRecord;
+use txinbox::{DeadLetter, SettleError};
+
+use crate::delivery::KafkaDelivery;
+use crate::produce::{self, Failure};
+use crate::{headers, metrics_names};
+
+/// A dead letter waiting on a transient failure logs a warning on its first failure and then
+/// on every this many.
+const DEAD_LETTER_WARN_EVERY: u32 = 10;
+
+impl KafkaDelivery {
+    /// Produces the dead letter and waits for the broker's confirmation.
+    ///
+    /// - Too large for the producer or the topic: the copy leaves the payload out, then the
+    ///   original headers too, with headers saying so ([`headers::PAYLOAD`]).
+    /// - Refused for good (authorization, invalid topic, still too large): logged at ERROR,
+    ///   counted ([`metrics_names::DEAD_LETTERS_REFUSED`]) and settled: the runtime has
+    ///   already recorded the dead letter in the database, which is the record; the partition
+    ///   goes on.
+    /// - Transient: retried while the partition stays assigned (fail closed), counted in the
+    ///   gauge [`metrics_names::DEAD_LETTERS_WAITING`] and logged with the partition on the
+    ///   first failure and every [`DEAD_LETTER_WARN_EVERY`] after it.
+    pub(crate) async fn produce_dead_letter(&self, dl: &DeadLetter) -> Result<(), SettleError> {
+        let config = &self.shared.config;
+        let topic = config.dead_letter_topic_for(&self.topic);
+        let mut form = Form::Whole;
+        let mut digest: Option<(String, String)> = None;
+        let mut failures: u32 = 0;
+        let mut waiting: Option<Waiting> = None;
+        loop {
+            if form != Form::Whole && digest.is_none() {
+                let payload = self.message.payload();
+                digest = Some((payload.len().to_string(), sha256_hex(payload)));
+            }
+            let (failure, error, code) = match self.try_produce(&topic, dl, form, digest.as_ref()).await {
+                Ok(()) => {
+                    metrics::counter!(metrics_names::DEAD_LETTERS_PRODUCED, "topic" => topic.clone())
+                        .increment(1);
+                    if form != Form::Whole {
+                        metrics::counter!(metrics_names::DEAD_LETTERS_REDUCED, "topic" => topic.clone(), "form" => form.name())
+                            .increment(1);
+                    }
+                    if failures > 0 {
+                        tracing::info!(dead_letter_topic = %topic, topic = %self.topic, partition = self.partition, offset = self.offset, failures, "dead letter confirmed after transient failures; the partition goes on");
+                    }
+                    return Ok(());
+                }
+                Err(failed) => failed,
+            };
+            match failure {
+                Failure::TooLarge if form.smaller().is_some() => {
+                    let smaller = form.smaller().unwrap_or(form);
+                    tracing::warn!(
+                        dead_letter_topic = %topic,
+                        topic = %self.topic,
+                        partition = self.partition,
+                        offset = self.offset,
+                        %error,
+                        form = smaller.name(),
+                        "the dead letter is too large for the dead-letter topic; sending a reduced copy (the database's dead_letters row keeps the payload up to dead_letter_payload_limit; beyond it, the whole record is only on the source topic until its retention)"
+                    );
+                    form = smaller;
+                    continue;
+                }
+                Failure::TooLarge | Failure::Refused => {
+                    tracing::error!(
+                        dead_letter_topic = %topic,
+                        topic = %self.topic,
+                        partition = self.partition,
+                        offset = self.offset,
+                        %error,
+                        "the dead-letter topic refused the dead letter for good; the database's dead_letters row is its record and the partition goes on; fix the topic (ACLs, name, max.message.bytes) and requeue it from the database if needed"
+                    );
+                    metrics::counter!(metrics_names::DEAD_LETTERS_REFUSED, "topic" => topic.clone(), "code" => code)
+                        .increment(1);
+                    return Ok(());
+                }
+                Failure::Transient => {}
+            }
+            failures += 1;
+            if self.shared.stopping()
+                || !self
+                    .shared
+                    .is_assigned(&self.topic, self.partition, self.generation.epoch)
+            {
+                return Err(SettleError::new(format!(
+                    "dead letter to {topic} not confirmed ({error}); offset {} of {}/{} is not stored",
+                    self.offset, self.topic, self.partition
+                )));
+            }
+            if waiting.is_none() {
+                waiting = Some(Waiting::new(topic.clone()));
+            }
+            let delay = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
+            if failures == 1 || failures.is_multiple_of(DEAD_LETTER_WARN_EVERY) {
+                tracing::warn!(
+                    dead_letter_topic = %topic,
+                    topic = %self.topic,
+                    partition = self.partition,
+                    offset = self.offset,
+                    %error,
+                    failures,
+                    "producing a dead letter failed; the partition waits for it (fail closed) and it is retried"
+                );
+            } else {
+                tracing::debug!(dead_letter_topic = %topic, %error, failures, ?delay, "producing a dead letter failed; retrying");
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// One attempt: `Err((how it failed, error text))`.
+    async fn try_produce(
+        &self,
+        topic: &str,
+        dl: &DeadLetter,
+        form: Form,
+        digest: Option<&(String, String)>,
+    ) -> Result<(), (Failure, String, String)> {
+        let failed = |e: KafkaError| {
+            let code = e
+                .rdkafka_error_code()
+                .map_or_else(|| "none".to_owned(), |c| format!("{c:?}"));
+            (produce::classify(&e), e.to_string(), code)
+        };
+        let record = self.dead_letter_record(topic, dl, form, digest);
+        let delivery = self
+            .shared
+            .producer
+            .send_result(record)
+            .map_err(|(e, _)| failed(e))?;
+        let wait = self.shared.config.dead_letter_timeout + Duration::from_secs(5);
+        let transient = |text: String| (Failure::Transient, text, "none".to_owned());
+        match tokio::time::timeout(wait, delivery).await {
+            Ok(Ok(Ok(_))) => Ok(()),
+            Ok(Ok(Err((e, _)))) => Err(failed(e)),
+            Ok(Err(_)) => Err(transient("the dead-letter producer was dropped".to_owned())),
+            Err(_) => Err(transient(format!("no delivery report within {wait:?}"))),
+        }
+    }
+
+    fn dead_letter_record<'a>(
+        &'a self,
+        topic: &'a str,
+        dl: &'a DeadLetter,
+        form: Form,
+        digest: Option<&'a (String, String)>,
+    ) -> FutureRecord<'a, [u8], [u8]> {
+        let mut h = OwnedHeaders::new_with_capacity(self.message.headers().len() + 11);
+        if form != Form::HeadersOmitted {
+            for (key, value) in self.message.headers().iter() {
+                h = h.insert(Header {
+                    key,
+                    value: Some(value),
+                });
+            }
+        }
+        let partition = self.partition.to_string();
+        let offset = self.offset.to_string();
+        let timestamp = self.timestamp.map(|t| t.to_string()).unwrap_or_default();
+        let fields: [(&str, &str); 7] = [
+            (headers::REASON, dl.reason.as_str()),
+            (headers::ERROR, &dl.error),
+            (headers::TOPIC, &self.topic),
+            (headers::PARTITION, &partition),
+            (headers::OFFSET, &offset),
+            (headers::TIMESTAMP, &timestamp),
+            (headers::CONSUMER, &self.shared.config.consumer_name),
+        ];
+        for (key, value) in fields {
+            h = h.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        if form != Form::Whole {
+            let (size, sha256) = match digest {
+                Some((size, sha256)) => (size.as_str(), sha256.as_str()),
+                None => ("", ""),
+            };
+            for (key, value) in [
+                (headers::PAYLOAD, "omitted"),
+                (headers::ORIGINAL_SIZE, size),
+                (headers::ORIGINAL_SHA256, sha256),
+            ] {
+                h = h.insert(Header {
+                    key,
+                    value: Some(value.as_bytes()),
+                });
+            }
+        }
+        if form == Form::HeadersOmitted {
+            h = h.insert(Header {
+                key: headers::HEADERS,
+                value: Some("omitted".as_bytes()),
+            });
+        }
+        let mut record = FutureRecord::to(topic).headers(h);
+        if form == Form::Whole {
+            record = record.payload(self.message.payload().as_ref());
+        }
+        if let Some(key) = self.message.key() {
+            record = record.key(key.as_ref());
+        }
+        record
+    }
+}
+
+/// The form of a dead-letter copy: whole, or cut down because the whole one was too large.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// Key, payload and headers of the original, plus the `txinbox.dlq.*` headers.
+    Whole,
+    /// Without the payload; its size and SHA-256 in headers.
+    PayloadOmitted,
+    /// Without the payload and the original headers.
+    HeadersOmitted,
+}
+
+impl Form {
+    fn smaller(self) -> Option<Form> {
+        match self {
+            Form::Whole => Some(Form::PayloadOmitted),
+            Form::PayloadOmitted => Some(Form::HeadersOmitted),
+            Form::HeadersOmitted => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Form::Whole => "whole",
+            Form::PayloadOmitted => "payload_omitted",
+            Form::HeadersOmitted => "headers_omitted",
+        }
+    }
+}
+
+/// One dead letter counted in [`metrics_names::DEAD_LETTERS_WAITING`] while it lives (also
+/// when the settlement is dropped: shutdown, revocation).
+struct Waiting {
+    topic: String,
+}
+
+impl Waiting {
+    fn new(topic: String) -> Self {
+        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => topic.clone()).increment(1.0);
+        Waiting { topic }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => self.topic.clone()).decrement(1.0);
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    use std::fmt::Write as _;
+    let digest = sha2::Sha256::digest(bytes);
+    let mut hex = String::with_capacity(64);
+    for b in digest {
+        let _ = write!(hex, "{b:02x}");
+    }
+    hex
+}

@@ -1,0 +1,154 @@
+//! The bookkeeping shared by the source, the poller thread, the rebalance callbacks and the
+//! deliveries: [`Shared`], the assigned partitions ([`State`]) and the [`Item`]s on their way to
+//! `receive`. One partition's offsets are tracked by [`Partition`].
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+
+use rdkafka::producer::FutureProducer;
+use txinbox::Message;
+
+use crate::config::KafkaConfig;
+use crate::metrics_names;
+use crate::tracker::{Generation, Partition};
+
+/// State shared by the source, the poller thread, the rebalance callback and the deliveries.
+pub(crate) struct Shared {
+    pub(crate) config: KafkaConfig,
+    pub(crate) state: Mutex<State>,
+    /// Notified whenever a delivery is settled or dropped (revocations wait on it).
+    pub(crate) settled: Condvar,
+    /// Set by `close` or drop: the poller leaves its loop.
+    pub(crate) stop: AtomicBool,
+    pub(crate) producer: FutureProducer,
+    /// A reason to stop the consumer found inside a rebalance callback (which cannot return
+    /// one); the poller hands it to `receive`.
+    pub(crate) fatal: Mutex<Option<String>>,
+    /// Where assignments and the broker connection are reported, once the consumer attached it.
+    pub(crate) health: OnceLock<txinbox::health::SourceHealth>,
+}
+
+pub(crate) struct State {
+    pub(crate) partitions: HashMap<Arc<str>, HashMap<i32, Partition>>,
+    pub(crate) next_epoch: u64,
+    /// The consumer name (a label of the blocked-partitions gauge).
+    pub(crate) consumer: Arc<str>,
+}
+
+impl State {
+    pub(crate) fn new(consumer: &str) -> Self {
+        State {
+            partitions: HashMap::new(),
+            next_epoch: 0,
+            consumer: consumer.into(),
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, topic: &str, partition: i32) -> Option<&mut Partition> {
+        self.partitions.get_mut(topic)?.get_mut(&partition)
+    }
+
+    pub(crate) fn remove(&mut self, topic: &str, partition: i32) -> Option<Partition> {
+        let parts = self.partitions.get_mut(topic)?;
+        let p = parts.remove(&partition);
+        if parts.is_empty() {
+            self.partitions.remove(topic);
+        }
+        if let Some(p) = &p {
+            self.set_blocked(p, false);
+        }
+        p
+    }
+
+    /// Forgets every partition (eager rebalance).
+    pub(crate) fn clear(&mut self) {
+        let all: Vec<Partition> = self
+            .partitions
+            .drain()
+            .flat_map(|(_, parts)| parts.into_values())
+            .collect();
+        for p in &all {
+            self.set_blocked(p, false);
+        }
+    }
+
+    /// Counts `p` into (`true`) or out of (`false`, only if it was blocked) the
+    /// blocked-partitions gauge.
+    pub(crate) fn set_blocked(&self, p: &Partition, blocked: bool) {
+        if !blocked && p.blocked.is_none() {
+            return;
+        }
+        self.count_blocked(&p.topic, blocked);
+    }
+
+    pub(crate) fn count_blocked(&self, topic: &str, blocked: bool) {
+        let gauge = metrics::gauge!(
+            metrics_names::PARTITIONS_BLOCKED,
+            "consumer" => self.consumer.to_string(),
+            "topic" => topic.to_owned()
+        );
+        if blocked {
+            gauge.increment(1.0);
+        } else {
+            gauge.decrement(1.0);
+        }
+    }
+
+    /// The blocked partitions, by topic.
+    pub(crate) fn blocked(&self) -> Vec<(Arc<str>, i32)> {
+        self.partitions
+            .iter()
+            .flat_map(|(t, parts)| {
+                parts
+                    .iter()
+                    .filter(|(_, p)| p.blocked.is_some())
+                    .map(|(n, _)| (t.clone(), *n))
+            })
+            .collect()
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the bookkeeping half-updated in a way
+        // that matters for safety: offsets only move forward on settle.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Reports the partitions assigned now to the consumer's health, if it is attached.
+    pub(crate) fn report_assignment(&self) {
+        if let Some(health) = self.health.get() {
+            let lanes: Vec<Arc<str>> = self
+                .lock()
+                .partitions
+                .values()
+                .flat_map(|parts| parts.values().map(|p| p.lane.clone()))
+                .collect();
+            health.set_assigned(lanes);
+        }
+    }
+
+    pub(crate) fn is_assigned(&self, topic: &str, partition: i32, epoch: u64) -> bool {
+        self.lock()
+            .get_mut(topic, partition)
+            .is_some_and(|p| p.epoch() == epoch)
+    }
+}
+
+/// A message on its way from the poller to [`KafkaSource::receive`].
+///
+/// [`KafkaSource::receive`]: crate::KafkaSource
+pub(crate) struct Item {
+    pub(crate) topic: Arc<str>,
+    pub(crate) partition: i32,
+    pub(crate) offset: i64,
+    pub(crate) timestamp: Option<i64>,
+    pub(crate) generation: Arc<Generation>,
+    pub(crate) lane: Arc<str>,
+    pub(crate) message: Message,
+}
