@@ -1,0 +1,1 @@
+//! Conformance suites: the documented contracts of sources, deliveries and publishers as tests.

@@ -1,0 +1,1 @@
+//! Scratch PostgreSQL databases for tests.

@@ -1,0 +1,11 @@
+//! **Test support for txinbox: one scratch-database helper, and the conformance suites that every
+//! `MessageSource`/`Delivery` and every outbox publisher runs.**
+//!
+//! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
+//! - [`conformance`]: the contracts of `txinbox::MessageSource`, `txinbox::Delivery` and
+//!   `txinbox::outbox::Publisher`, written once as tests that take the implementation under test.
+//!   The in-memory broker, Kafka and RabbitMQ adapters run them; a third-party adapter runs them
+//!   the same way.
+
+pub mod conformance;
+pub mod database;
