@@ -10,8 +10,8 @@ use tracing::{field, Instrument, Span};
 use super::backoff::with_store;
 use super::call::run_handler;
 use super::scheduler::{LaneEnd, Stop};
-use super::settle::{settle, Verdict};
-use super::single::{message_size, process_alone};
+use super::settle::Verdict;
+use super::single::message_size;
 use super::Shared;
 use crate::handler::{BatchContext, BatchMessage, Context, Handler};
 use crate::message::MessageId;
@@ -99,92 +99,242 @@ enum Trip {
     Unknown(bool),
 }
 
-/// Processes deliveries of one lane (in lane order) to their settlements, sharing transactions
-/// as micro-batches (see [`ConsumerBuilder::batch_size`](super::ConsumerBuilder::batch_size)).
-/// Returns [`LaneEnd::Stopped`] if a delivery of an ordered lane was left unsettled (shutdown, a
-/// fatal error, or a settlement the broker refused whose position the database does not hold);
-/// the deliveries after it are then dropped unsettled too.
-///
-/// The failure rule, chosen over savepoints: a savepoint per message costs a round trip each and
-/// a PostgreSQL transaction with more than 64 subtransactions overflows the per-backend
-/// subtransaction cache, slowing every snapshot on the server. Instead a batch whose message
-/// `k` needs the one-message path is rolled back and re-run: messages `..k` as a batch, `k`
-/// alone (where its attempt is counted, retried or dead-lettered, and its handler runs once
-/// more on a clean transaction, so a failure caused by a neighbour is never blamed on it),
-/// then the rest. Failures are rare; the cost is one rolled-back transaction per failure.
-pub(super) async fn process_batch<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
-    shared: &Shared<St, H>,
-    deliveries: Vec<D>,
-) -> LaneEnd {
-    let mut queue: VecDeque<Item<D>> = deliveries.into_iter().map(|d| Item::new(shared, d)).collect();
-    while !queue.is_empty() {
-        let n = queue
-            .iter()
-            .take(shared.batch_limit())
-            .take_while(|i| i.batchable())
-            .count();
-        if n <= 1 {
-            let item = queue.pop_front().expect("not empty");
-            let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
-            if let Err(stop) = process_alone(shared, item).await {
-                if ordered {
-                    // What this task still holds may include the lane started over.
-                    match queue.iter().position(|i| stop.starts_over(&i.delivery)) {
-                        Some(k) => abandon(queue.drain(..k).collect::<Vec<_>>().iter()),
-                        None => {
-                            abandon(&queue);
-                            return LaneEnd::Stopped(stop);
+impl<St, H> Shared<St, H>
+where
+    St: InboxStore,
+    H: Handler<St::Db>,
+{
+    /// Processes deliveries of one lane (in lane order) to their settlements, sharing transactions
+    /// as micro-batches (see [`ConsumerBuilder::batch_size`](super::ConsumerBuilder::batch_size)).
+    /// Returns [`LaneEnd::Stopped`] if a delivery of an ordered lane was left unsettled (shutdown, a
+    /// fatal error, or a settlement the broker refused whose position the database does not hold);
+    /// the deliveries after it are then dropped unsettled too.
+    ///
+    /// The failure rule, chosen over savepoints: a savepoint per message costs a round trip each and
+    /// a PostgreSQL transaction with more than 64 subtransactions overflows the per-backend
+    /// subtransaction cache, slowing every snapshot on the server. Instead a batch whose message
+    /// `k` needs the one-message path is rolled back and re-run: messages `..k` as a batch, `k`
+    /// alone (where its attempt is counted, retried or dead-lettered, and its handler runs once
+    /// more on a clean transaction, so a failure caused by a neighbour is never blamed on it),
+    /// then the rest. Failures are rare; the cost is one rolled-back transaction per failure.
+    pub(super) async fn process_batch<D: Delivery>(&self, deliveries: Vec<D>) -> LaneEnd {
+        let mut queue: VecDeque<Item<D>> = deliveries.into_iter().map(|d| Item::new(self, d)).collect();
+        while !queue.is_empty() {
+            let n = queue
+                .iter()
+                .take(self.batch_limit())
+                .take_while(|i| i.batchable())
+                .count();
+            if n <= 1 {
+                let item = queue.pop_front().expect("not empty");
+                let ordered = matches!(item.delivery.lane(), crate::source::Lane::Ordered(_));
+                if let Err(stop) = self.process_alone(item).await {
+                    if ordered {
+                        // What this task still holds may include the lane started over.
+                        match queue.iter().position(|i| stop.starts_over(&i.delivery)) {
+                            Some(k) => abandon(queue.drain(..k).collect::<Vec<_>>().iter()),
+                            None => {
+                                abandon(&queue);
+                                return LaneEnd::Stopped(stop);
+                            }
                         }
                     }
+                    continue;
                 }
+                // NOTE: while batching is off after a lock conflict every transaction is a lone
+                // message's, so batching grows back from these, not from committed batches.
+                self.batch_contended(false);
                 continue;
             }
-            // NOTE: while batching is off after a lock conflict every transaction is a lone
-            // message's, so batching grows back from these, not from committed batches.
-            shared.batch_contended(false);
-            continue;
-        }
-        let mut batch: Vec<Item<D>> = queue.drain(..n).collect();
-        let Some(trip) = run_batch(shared, &batch).await else {
-            abandon(&batch);
-            abandon(&queue);
-            return LaneEnd::Stopped(Stop::at(&batch[0].delivery));
-        };
-        match trip {
-            Trip::Committed(claims) => {
-                shared.batch_contended(false);
-                let settlements = batch.into_iter().zip(claims).map(|(item, claim)| {
-                    let verdict = match claim {
-                        Claim::New { attempt } => Verdict::Processed(attempt),
-                        _ => Verdict::Duplicate,
-                    };
-                    settle(shared, item.delivery, verdict).instrument(item.span)
-                });
-                // Every verdict here committed its position with its effects (or is a
-                // duplicate): a settlement that fails costs a redelivery, never a skip.
-                futures::future::join_all(settlements).await;
-            }
-            Trip::Cut(k, contended) => {
-                if contended {
-                    shared.batch_contended(true);
+            let mut batch: Vec<Item<D>> = queue.drain(..n).collect();
+            let Some(trip) = self.run_batch(&batch).await else {
+                abandon(&batch);
+                abandon(&queue);
+                return LaneEnd::Stopped(Stop::at(&batch[0].delivery));
+            };
+            match trip {
+                Trip::Committed(claims) => {
+                    self.batch_contended(false);
+                    let settlements = batch.into_iter().zip(claims).map(|(item, claim)| {
+                        let verdict = match claim {
+                            Claim::New { attempt } => Verdict::Processed(attempt),
+                            _ => Verdict::Duplicate,
+                        };
+                        self.settle(item.delivery, verdict).instrument(item.span)
+                    });
+                    // Every verdict here committed its position with its effects (or is a
+                    // duplicate): a settlement that fails costs a redelivery, never a skip.
+                    futures::future::join_all(settlements).await;
                 }
-                batch[k].alone = true;
-                for item in batch.into_iter().rev() {
-                    queue.push_front(item);
+                Trip::Cut(k, contended) => {
+                    if contended {
+                        self.batch_contended(true);
+                    }
+                    batch[k].alone = true;
+                    for item in batch.into_iter().rev() {
+                        queue.push_front(item);
+                    }
                 }
-            }
-            Trip::Unknown(contended) => {
-                if contended {
-                    shared.batch_contended(true);
-                }
-                for mut item in batch.into_iter().rev() {
-                    item.alone = true;
-                    queue.push_front(item);
+                Trip::Unknown(contended) => {
+                    if contended {
+                        self.batch_contended(true);
+                    }
+                    for mut item in batch.into_iter().rev() {
+                        item.alone = true;
+                        queue.push_front(item);
+                    }
                 }
             }
         }
+        LaneEnd::Done
     }
-    LaneEnd::Done
+
+    /// Runs one batch transaction, backing off while the database is unavailable (as the
+    /// one-message path does before its claim). `None` on shutdown or a fatal error.
+    async fn run_batch<D: Delivery>(&self, batch: &[Item<D>]) -> Option<Trip> {
+        // `Err` from a trip: BEGIN, the claim or a duplicate's bookkeeping failed, nothing written.
+        // The permit is held for one trip only, never through a backoff sleep.
+        with_store(self, || async {
+            let _permit = self
+                .concurrency
+                .acquire()
+                .await
+                .expect("semaphore is never closed");
+            self.batch_attempt(batch).await
+        })
+        .await
+    }
+
+    /// One batch transaction: claim all, record duplicates, run the handlers of the new ones,
+    /// confirm, store the positions, COMMIT. `Err` only before any handler ran.
+    async fn batch_attempt<D: Delivery>(&self, batch: &[Item<D>]) -> Result<Trip, StoreError> {
+        let store = &self.store;
+        let entries: Vec<Entry<'_>> = batch.iter().map(|i| i.entry(&self.name)).collect();
+        // NOTE: as in `attempt`, BEGIN and COMMIT are never raced against a timer (sqlx #4393).
+        let mut tx = store.begin().await?;
+        let claims = store.claim_batch(&mut *tx, &entries).await?;
+        // Conflicts, redelivered dead letters and undecidable repeats of a key take the
+        // one-message path, which records and settles them before anything after them commits.
+        let needs_alone =
+            |c: &Claim| !matches!(c, Claim::New { .. } | Claim::Duplicate(InboxStatus::Processed));
+        if let Some(k) = claims.iter().position(needs_alone) {
+            drop(tx.rollback().await);
+            return Ok(Trip::Cut(k, false));
+        }
+        crate::crash::hit(crate::crash::AFTER_CLAIM);
+        let mut new = Vec::with_capacity(batch.len());
+        let mut duplicates = Vec::new();
+        for (i, claim) in claims.iter().enumerate() {
+            match *claim {
+                Claim::New { attempt } => new.push((i, attempt)),
+                _ => duplicates.push(entries[i]),
+            }
+        }
+        if !duplicates.is_empty() {
+            store.record_duplicates(&mut *tx, &duplicates).await?;
+        }
+
+        if !new.is_empty() {
+            if let Some(handler) = self.handler.batch() {
+                let messages: Vec<BatchMessage<'_>> = new
+                    .iter()
+                    .map(|&(i, attempt)| BatchMessage {
+                        message: batch[i].delivery.message(),
+                        id: entries[i].id,
+                        attempt,
+                        span: &batch[i].span,
+                    })
+                    .collect();
+                let mut cx = BatchContext {
+                    conn: &mut *tx,
+                    consumer: &self.name,
+                };
+                // One duration sample per call: for a batch handler, the whole batch.
+                if let Err(error) = run_handler(self, handler.handle_batch(&mut cx, &messages)).await {
+                    drop(tx.rollback().await);
+                    let contended = error.is_contention();
+                    tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
+                    return Ok(Trip::Unknown(contended));
+                }
+            } else {
+                for &(i, attempt) in &new {
+                    let item = &batch[i];
+                    let mut cx = Context {
+                        conn: &mut *tx,
+                        consumer: &self.name,
+                        id: entries[i].id,
+                        attempt,
+                    };
+                    let handled = self.handler.handle(&mut cx, item.delivery.message());
+                    let result = run_handler(self, handled).instrument(item.span.clone()).await;
+                    if let Err(error) = result {
+                        drop(tx.rollback().await);
+                        let contended = error.is_contention();
+                        tracing::debug!(
+                            parent: &item.span,
+                            contended,
+                            size = batch.len(),
+                            "handler failed in a batch; the batch is re-run without this message, which runs alone"
+                        );
+                        return Ok(Trip::Cut(i, contended));
+                    }
+                }
+            }
+        }
+        if new.len() >= 2 {
+            crate::crash::hit(crate::crash::BATCH_OPEN);
+        }
+
+        // NOTE: as in `finish`: a handler that ignored a failed statement leaves PostgreSQL's
+        // transaction aborted, and COMMIT would roll it back without an error. Which handler did it
+        // is unknown, so every message of the batch then runs alone.
+        let claimed: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
+        match store.confirm_batch(&mut *tx, &claimed).await {
+            Ok(true) => {}
+            Ok(false) | Err(_) => {
+                drop(tx.rollback().await);
+                tracing::info!(
+                size = batch.len(),
+                "a batch's transaction was aborted by a statement a handler ignored; each message runs alone"
+            );
+                return Ok(Trip::Unknown(false));
+            }
+        }
+        // One position per source lane: the last of the batch (every item here is processed or a
+        // duplicate, both of which move the position).
+        let mut positions: Vec<Position> = Vec::new();
+        for item in batch {
+            if let Some(p) = item.delivery.position() {
+                match positions
+                    .iter_mut()
+                    .find(|q| q.source == p.source && q.lane == p.lane)
+                {
+                    Some(q) => *q = p,
+                    None => positions.push(p),
+                }
+            }
+        }
+        for p in &positions {
+            if let Err(e) = store.save_position(&mut *tx, &self.name, p).await {
+                drop(tx.rollback().await);
+                tracing::info!(error = %e, "storing a batch's position failed; each message runs alone");
+                return Ok(Trip::Unknown(e.is_contention()));
+            }
+        }
+        crate::crash::hit(crate::crash::AFTER_HANDLER);
+        let started = Instant::now();
+        if let Err(e) = store.commit(tx).await {
+            // Outcome unknown: never acked. Alone, each message goes through the claim again and
+            // becomes a duplicate if this COMMIT did succeed.
+            tracing::info!(error = %e, size = batch.len(), "a batch's COMMIT failed; each message runs alone");
+            return Ok(Trip::Unknown(e.is_contention()));
+        }
+        self.metrics
+            .commit_duration
+            .record(started.elapsed().as_secs_f64());
+        crate::crash::hit(crate::crash::AFTER_COMMIT);
+        Ok(Trip::Committed(claims))
+    }
 }
 
 /// Marks the spans of deliveries left unsettled (shutdown or a fatal error): every delivery
@@ -193,157 +343,4 @@ fn abandon<'a, D: 'a>(items: impl IntoIterator<Item = &'a Item<D>>) {
     for item in items {
         item.span.record("txinbox.outcome", "abandoned");
     }
-}
-
-/// Runs one batch transaction, backing off while the database is unavailable (as the
-/// one-message path does before its claim). `None` on shutdown or a fatal error.
-async fn run_batch<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
-    shared: &Shared<St, H>,
-    batch: &[Item<D>],
-) -> Option<Trip> {
-    // `Err` from a trip: BEGIN, the claim or a duplicate's bookkeeping failed, nothing written.
-    // The permit is held for one trip only, never through a backoff sleep.
-    with_store(shared, || async {
-        let _permit = shared
-            .concurrency
-            .acquire()
-            .await
-            .expect("semaphore is never closed");
-        batch_attempt(shared, batch).await
-    })
-    .await
-}
-
-/// One batch transaction: claim all, record duplicates, run the handlers of the new ones,
-/// confirm, store the positions, COMMIT. `Err` only before any handler ran.
-async fn batch_attempt<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
-    shared: &Shared<St, H>,
-    batch: &[Item<D>],
-) -> Result<Trip, StoreError> {
-    let store = &shared.store;
-    let entries: Vec<Entry<'_>> = batch.iter().map(|i| i.entry(&shared.name)).collect();
-    // NOTE: as in `attempt`, BEGIN and COMMIT are never raced against a timer (sqlx #4393).
-    let mut tx = store.begin().await?;
-    let claims = store.claim_batch(&mut *tx, &entries).await?;
-    // Conflicts, redelivered dead letters and undecidable repeats of a key take the
-    // one-message path, which records and settles them before anything after them commits.
-    let needs_alone = |c: &Claim| !matches!(c, Claim::New { .. } | Claim::Duplicate(InboxStatus::Processed));
-    if let Some(k) = claims.iter().position(needs_alone) {
-        drop(tx.rollback().await);
-        return Ok(Trip::Cut(k, false));
-    }
-    crate::crash::hit(crate::crash::AFTER_CLAIM);
-    let mut new = Vec::with_capacity(batch.len());
-    let mut duplicates = Vec::new();
-    for (i, claim) in claims.iter().enumerate() {
-        match *claim {
-            Claim::New { attempt } => new.push((i, attempt)),
-            _ => duplicates.push(entries[i]),
-        }
-    }
-    if !duplicates.is_empty() {
-        store.record_duplicates(&mut *tx, &duplicates).await?;
-    }
-
-    if !new.is_empty() {
-        if let Some(handler) = shared.handler.batch() {
-            let messages: Vec<BatchMessage<'_>> = new
-                .iter()
-                .map(|&(i, attempt)| BatchMessage {
-                    message: batch[i].delivery.message(),
-                    id: entries[i].id,
-                    attempt,
-                    span: &batch[i].span,
-                })
-                .collect();
-            let mut cx = BatchContext {
-                conn: &mut *tx,
-                consumer: &shared.name,
-            };
-            // One duration sample per call: for a batch handler, the whole batch.
-            if let Err(error) = run_handler(shared, handler.handle_batch(&mut cx, &messages)).await {
-                drop(tx.rollback().await);
-                let contended = error.is_contention();
-                tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
-                return Ok(Trip::Unknown(contended));
-            }
-        } else {
-            for &(i, attempt) in &new {
-                let item = &batch[i];
-                let mut cx = Context {
-                    conn: &mut *tx,
-                    consumer: &shared.name,
-                    id: entries[i].id,
-                    attempt,
-                };
-                let handled = shared.handler.handle(&mut cx, item.delivery.message());
-                let result = run_handler(shared, handled).instrument(item.span.clone()).await;
-                if let Err(error) = result {
-                    drop(tx.rollback().await);
-                    let contended = error.is_contention();
-                    tracing::debug!(
-                        parent: &item.span,
-                        contended,
-                        size = batch.len(),
-                        "handler failed in a batch; the batch is re-run without this message, which runs alone"
-                    );
-                    return Ok(Trip::Cut(i, contended));
-                }
-            }
-        }
-    }
-    if new.len() >= 2 {
-        crate::crash::hit(crate::crash::BATCH_OPEN);
-    }
-
-    // NOTE: as in `finish`: a handler that ignored a failed statement leaves PostgreSQL's
-    // transaction aborted, and COMMIT would roll it back without an error. Which handler did it
-    // is unknown, so every message of the batch then runs alone.
-    let claimed: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
-    match store.confirm_batch(&mut *tx, &claimed).await {
-        Ok(true) => {}
-        Ok(false) | Err(_) => {
-            drop(tx.rollback().await);
-            tracing::info!(
-                size = batch.len(),
-                "a batch's transaction was aborted by a statement a handler ignored; each message runs alone"
-            );
-            return Ok(Trip::Unknown(false));
-        }
-    }
-    // One position per source lane: the last of the batch (every item here is processed or a
-    // duplicate, both of which move the position).
-    let mut positions: Vec<Position> = Vec::new();
-    for item in batch {
-        if let Some(p) = item.delivery.position() {
-            match positions
-                .iter_mut()
-                .find(|q| q.source == p.source && q.lane == p.lane)
-            {
-                Some(q) => *q = p,
-                None => positions.push(p),
-            }
-        }
-    }
-    for p in &positions {
-        if let Err(e) = store.save_position(&mut *tx, &shared.name, p).await {
-            drop(tx.rollback().await);
-            tracing::info!(error = %e, "storing a batch's position failed; each message runs alone");
-            return Ok(Trip::Unknown(e.is_contention()));
-        }
-    }
-    crate::crash::hit(crate::crash::AFTER_HANDLER);
-    let started = Instant::now();
-    if let Err(e) = store.commit(tx).await {
-        // Outcome unknown: never acked. Alone, each message goes through the claim again and
-        // becomes a duplicate if this COMMIT did succeed.
-        tracing::info!(error = %e, size = batch.len(), "a batch's COMMIT failed; each message runs alone");
-        return Ok(Trip::Unknown(e.is_contention()));
-    }
-    shared
-        .metrics
-        .commit_duration
-        .record(started.elapsed().as_secs_f64());
-    crate::crash::hit(crate::crash::AFTER_COMMIT);
-    Ok(Trip::Committed(claims))
 }

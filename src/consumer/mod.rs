@@ -9,7 +9,7 @@
 //! transactions are open at once (a semaphore).
 //!
 //! Micro-batching: a task takes what is already queued for its lane, up to `batch_size`
-//! deliveries, and processes them in one transaction ([`batch::process_batch`]). With a
+//! deliveries, and processes them in one transaction ([`Shared::process_batch`]). With a
 //! `batch_linger`, a lane with fewer queued waits up to that long for more before it starts.
 //! Under load a lane's queue fills while its previous transaction commits, so batches form by
 //! themselves; an idle consumer sends a lone message at once.

@@ -11,7 +11,6 @@ use std::time::Duration;
 use futures::stream::FuturesUnordered;
 use tokio::task::JoinSet;
 
-use super::batch;
 use super::intake::{InFlight, Slot};
 use super::Shared;
 use crate::handler::Handler;
@@ -144,7 +143,7 @@ impl<D: crate::source::Delivery> Scheduler<D> {
                 .spawn(async move {
                     let (deliveries, _slots): (Vec<D>, Vec<Slot>) =
                         batch.into_iter().map(|i| (i.delivery, i._slot)).unzip();
-                    batch::process_batch(&shared, deliveries).await
+                    shared.process_batch(deliveries).await
                 })
                 .id();
             self.task_lanes.insert(id, key.clone());

@@ -27,140 +27,141 @@ pub(super) enum Verdict {
     DeadLetter(DeadLetter, u32),
 }
 
-/// Records a dead letter (retrying while the database is unavailable) and returns the verdict.
-pub(super) async fn dead_letter<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
-    shared: &Shared<St, H>,
-    delivery: &D,
-    entry: Option<Entry<'_>>,
-    reason: DeadLetterReason,
-    error: &str,
-    attempts: u32,
-) -> Option<Verdict> {
-    let record = DeadLetterRecord {
-        consumer: &shared.name,
-        entry,
-        message: delivery.message(),
-        reason,
-        error,
-        attempts,
-        payload_limit: shared.dead_letter_payload_limit,
-    };
-    let dead = |reason| {
-        Some(Verdict::DeadLetter(
-            DeadLetter {
-                reason,
-                error: error.to_owned(),
-            },
+impl<St, H> Shared<St, H>
+where
+    St: InboxStore,
+    H: Handler<St::Db>,
+{
+    /// Records a dead letter (retrying while the database is unavailable) and returns the verdict.
+    pub(super) async fn dead_letter<D: Delivery>(
+        &self,
+        delivery: &D,
+        entry: Option<Entry<'_>>,
+        reason: DeadLetterReason,
+        error: &str,
+        attempts: u32,
+    ) -> Option<Verdict> {
+        let record = DeadLetterRecord {
+            consumer: &self.name,
+            entry,
+            message: delivery.message(),
+            reason,
+            error,
             attempts,
-        ))
-    };
-    match with_store(shared, || shared.store.dead_letter(&record)).await? {
-        DeadLetterOutcome::Recorded | DeadLetterOutcome::AlreadyDeadLettered => dead(reason),
-        DeadLetterOutcome::RecordedAsConflict => {
-            shared.metrics.conflicts.increment(1);
-            dead(DeadLetterReason::Conflict)
+            payload_limit: self.dead_letter_payload_limit,
+        };
+        let dead = |reason| {
+            Some(Verdict::DeadLetter(
+                DeadLetter {
+                    reason,
+                    error: error.to_owned(),
+                },
+                attempts,
+            ))
+        };
+        match with_store(self, || self.store.dead_letter(&record)).await? {
+            DeadLetterOutcome::Recorded | DeadLetterOutcome::AlreadyDeadLettered => dead(reason),
+            DeadLetterOutcome::RecordedAsConflict => {
+                self.metrics.conflicts.increment(1);
+                dead(DeadLetterReason::Conflict)
+            }
+            DeadLetterOutcome::AlreadyProcessed => Some(Verdict::Duplicate),
         }
-        DeadLetterOutcome::AlreadyProcessed => Some(Verdict::Duplicate),
     }
-}
 
-/// Settles `delivery` with the broker as `verdict` says. `Err` if its lane must stop here: the
-/// broker did not take a settlement whose position the database does not hold (a dead letter
-/// or a retry of a delivery with a position). The next delivery of the lane would
-/// commit its own position, past this one, and a restart would skip it; stopped, the lane
-/// runs again when the source delivers this one again.
-pub(super) async fn settle<D: Delivery, St: InboxStore, H: Handler<St::Db>>(
-    shared: &Shared<St, H>,
-    delivery: D,
-    verdict: Verdict,
-) -> Result<(), Stop> {
-    let metrics = &shared.metrics;
-    let (outcome, settlement, attempt) = match verdict {
-        Verdict::Processed(attempt) => {
-            metrics.processed.increment(1);
-            ("processed", Settlement::Ack, attempt)
+    /// Settles `delivery` with the broker as `verdict` says. `Err` if its lane must stop here: the
+    /// broker did not take a settlement whose position the database does not hold (a dead letter
+    /// or a retry of a delivery with a position). The next delivery of the lane would
+    /// commit its own position, past this one, and a restart would skip it; stopped, the lane
+    /// runs again when the source delivers this one again.
+    pub(super) async fn settle<D: Delivery>(&self, delivery: D, verdict: Verdict) -> Result<(), Stop> {
+        let metrics = &self.metrics;
+        let (outcome, settlement, attempt) = match verdict {
+            Verdict::Processed(attempt) => {
+                metrics.processed.increment(1);
+                ("processed", Settlement::Ack, attempt)
+            }
+            Verdict::Duplicate => {
+                metrics.duplicates.increment(1);
+                ("duplicate", Settlement::Ack, 0)
+            }
+            Verdict::Retry(after, attempt) => ("retry", Settlement::Retry { after }, attempt),
+            Verdict::DeadLetterAgain(dl) => {
+                metrics.dead_letter(dl.reason);
+                ("dead_lettered_again", Settlement::DeadLetter(dl), 0)
+            }
+            Verdict::DeadLetter(dl, attempt) => {
+                metrics.dead_letter(dl.reason);
+                tracing::warn!(reason = %dl.reason, error = %dl.error, "dead-lettered");
+                ("dead_lettered", Settlement::DeadLetter(dl), attempt)
+            }
+        };
+        // NOTE: each field once: a formatting subscriber prints every record of a field.
+        let span = Span::current();
+        if attempt > 0 {
+            span.record("txinbox.attempt", attempt);
         }
-        Verdict::Duplicate => {
-            metrics.duplicates.increment(1);
-            ("duplicate", Settlement::Ack, 0)
+        span.record("txinbox.outcome", outcome);
+        // Processed and duplicate deliveries committed their position with their effects; a retry
+        // or a dead letter did not. A dead letter's moves once the broker has its copy (see below).
+        let pending = match settlement {
+            Settlement::Ack => None,
+            _ => delivery.position(),
+        };
+        let stop = pending.as_ref().map(|p| Stop {
+            next: Some(p.next),
+            assignment: delivery.assignment(),
+        });
+        let dead_letter_position = pending.filter(|_| matches!(settlement, Settlement::DeadLetter(_)));
+        // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
+        // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
+        // contract allows: the broker redelivers and the inbox deduplicates.
+        let settled = tokio::select! {
+            r = delivery.settle(settlement) => r,
+            _ = async {
+                self.shutdown.cancelled().await;
+                tokio::time::sleep(SETTLE_GRACE).await;
+            } => Err(SettleError::new(format!(
+                "still pending {SETTLE_GRACE:?} after shutdown began; abandoned"
+            ))),
+        };
+        if let Err(e) = settled {
+            metrics.ack_failures.increment(1);
+            if let Some(stop) = stop {
+                // Nothing after it on its lane may commit a position past it: stop the lane until
+                // the source delivers this one again (on Kafka: the partition assigned again).
+                tracing::warn!(error = %e, outcome, "the broker did not take the settlement; its lane stops until the message is delivered again");
+                return Err(stop);
+            }
+            // The database side is final; the broker will redeliver and the inbox deduplicates.
+            // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
+            // broker connection is flapping).
+            tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
+            return Ok(());
         }
-        Verdict::Retry(after, attempt) => ("retry", Settlement::Retry { after }, attempt),
-        Verdict::DeadLetterAgain(dl) => {
-            metrics.dead_letter(dl.reason);
-            ("dead_lettered_again", Settlement::DeadLetter(dl), 0)
+        tracing::debug!(outcome, "settled");
+        if let Some(position) = dead_letter_position {
+            // The dead letter was recorded without moving the position (a crash before the broker
+            // confirmed its copy must show the record again). Now the broker has the copy: move the
+            // position past it, so a restart does not read a run of dead letters again. Still
+            // before the lane's next message, so positions keep their order. A crash between the
+            // broker's confirmation and this commit reads the record once more: its dead letter is
+            // recorded already (nothing new is written) and the copy is sent again.
+            //
+            // Forward only: once the broker has the copy, the lane may be someone else's (a Kafka
+            // partition moved on), and a late save must not take its position back.
+            let saved = with_store(self, || async {
+                let mut tx = self.store.begin().await?;
+                self.store
+                    .advance_position(&mut *tx, &self.name, &position)
+                    .await?;
+                self.store.commit(tx).await
+            })
+            .await;
+            if saved.is_none() {
+                tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
+            }
         }
-        Verdict::DeadLetter(dl, attempt) => {
-            metrics.dead_letter(dl.reason);
-            tracing::warn!(reason = %dl.reason, error = %dl.error, "dead-lettered");
-            ("dead_lettered", Settlement::DeadLetter(dl), attempt)
-        }
-    };
-    // NOTE: each field once: a formatting subscriber prints every record of a field.
-    let span = Span::current();
-    if attempt > 0 {
-        span.record("txinbox.attempt", attempt);
+        Ok(())
     }
-    span.record("txinbox.outcome", outcome);
-    // Processed and duplicate deliveries committed their position with their effects; a retry
-    // or a dead letter did not. A dead letter's moves once the broker has its copy (see below).
-    let pending = match settlement {
-        Settlement::Ack => None,
-        _ => delivery.position(),
-    };
-    let stop = pending.as_ref().map(|p| Stop {
-        next: Some(p.next),
-        assignment: delivery.assignment(),
-    });
-    let dead_letter_position = pending.filter(|_| matches!(settlement, Settlement::DeadLetter(_)));
-    // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
-    // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
-    // contract allows: the broker redelivers and the inbox deduplicates.
-    let settled = tokio::select! {
-        r = delivery.settle(settlement) => r,
-        _ = async {
-            shared.shutdown.cancelled().await;
-            tokio::time::sleep(SETTLE_GRACE).await;
-        } => Err(SettleError::new(format!(
-            "still pending {SETTLE_GRACE:?} after shutdown began; abandoned"
-        ))),
-    };
-    if let Err(e) = settled {
-        metrics.ack_failures.increment(1);
-        if let Some(stop) = stop {
-            // Nothing after it on its lane may commit a position past it: stop the lane until
-            // the source delivers this one again (on Kafka: the partition assigned again).
-            tracing::warn!(error = %e, outcome, "the broker did not take the settlement; its lane stops until the message is delivered again");
-            return Err(stop);
-        }
-        // The database side is final; the broker will redeliver and the inbox deduplicates.
-        // Safe by design, so info, not warn: the counter is what to alert on (a burst means the
-        // broker connection is flapping).
-        tracing::info!(error = %e, outcome, "settlement did not reach the broker; the redelivery will be a duplicate");
-        return Ok(());
-    }
-    tracing::debug!(outcome, "settled");
-    if let Some(position) = dead_letter_position {
-        // The dead letter was recorded without moving the position (a crash before the broker
-        // confirmed its copy must show the record again). Now the broker has the copy: move the
-        // position past it, so a restart does not read a run of dead letters again. Still
-        // before the lane's next message, so positions keep their order. A crash between the
-        // broker's confirmation and this commit reads the record once more: its dead letter is
-        // recorded already (nothing new is written) and the copy is sent again.
-        //
-        // Forward only: once the broker has the copy, the lane may be someone else's (a Kafka
-        // partition moved on), and a late save must not take its position back.
-        let saved = with_store(shared, || async {
-            let mut tx = shared.store.begin().await?;
-            shared
-                .store
-                .advance_position(&mut *tx, &shared.name, &position)
-                .await?;
-            shared.store.commit(tx).await
-        })
-        .await;
-        if saved.is_none() {
-            tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
-        }
-    }
-    Ok(())
 }
