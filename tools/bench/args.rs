@@ -1,0 +1,87 @@
+//! The bench's flags: what each row measures and how hard it pushes.
+
+use anyhow::{bail, Context as _};
+
+#[derive(Debug, Clone)]
+pub(crate) struct Args {
+    pub(crate) messages: u64,
+    pub(crate) per_message: u64,
+    pub(crate) sources: Vec<String>,
+    pub(crate) batch_size: usize,
+    pub(crate) linger_ms: u64,
+    pub(crate) concurrency: usize,
+    pub(crate) max_in_flight: usize,
+    /// `None`: searched per broker (see `Bench::window_for`).
+    pub(crate) window: Option<u64>,
+    pub(crate) partitions: i32,
+    pub(crate) json: Option<String>,
+    pub(crate) prefill_rows: u64,
+    pub(crate) memory_run: u64,
+    pub(crate) pgbench: bool,
+    pub(crate) pgbench_seconds: u32,
+    /// How long each fixed-rate row publishes (0: no fixed-rate rows).
+    pub(crate) paced_seconds: u64,
+}
+
+pub(crate) fn parse_args() -> anyhow::Result<Args> {
+    let mut a = Args {
+        messages: 50_000,
+        per_message: 0,
+        sources: vec!["memory".into(), "kafka".into(), "amqp".into()],
+        batch_size: txinbox::DEFAULT_BATCH_SIZE,
+        linger_ms: txinbox::DEFAULT_BATCH_LINGER.as_millis() as u64,
+        concurrency: txinbox::DEFAULT_CONCURRENCY,
+        max_in_flight: txinbox::DEFAULT_MAX_IN_FLIGHT,
+        window: None,
+        partitions: 8,
+        json: None,
+        prefill_rows: 0,
+        memory_run: 0,
+        pgbench: true,
+        pgbench_seconds: 5,
+        paced_seconds: 10,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--messages" => a.messages = value()?.parse()?,
+            "--per-message" => a.per_message = value()?.parse()?,
+            "--sources" => a.sources = value()?.split(',').map(str::to_owned).collect(),
+            "--batch-size" => a.batch_size = value()?.parse()?,
+            "--linger-ms" => a.linger_ms = value()?.parse()?,
+            "--concurrency" => a.concurrency = value()?.parse()?,
+            "--max-in-flight" => a.max_in_flight = value()?.parse()?,
+            "--window" => a.window = Some(value()?.parse()?),
+            "--partitions" => a.partitions = value()?.parse()?,
+            "--json" => a.json = Some(value()?),
+            "--prefill-rows" => a.prefill_rows = value()?.parse()?,
+            "--memory-run" => a.memory_run = value()?.parse()?,
+            "--pgbench-seconds" => a.pgbench_seconds = value()?.parse()?,
+            "--no-pgbench" => a.pgbench = false,
+            "--paced-seconds" => a.paced_seconds = value()?.parse()?,
+            "--help" | "-h" => {
+                println!(
+                    "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
+                     [--sources memory,kafka,amqp] [--batch-size N (100)] [--linger-ms N (0)] [--concurrency N (8)]\n  \
+                     [--max-in-flight N (2048)] \
+                     [--window N (searched per broker; memory 2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
+                     [--no-pgbench] [--pgbench-seconds N (5)] [--paced-seconds N (10; 0: no fixed-rate rows)]"
+                );
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}; see --help"),
+        }
+    }
+    if a.per_message == 0 {
+        a.per_message = a.messages.min(10_000);
+    }
+    if let Some(bad) = a
+        .sources
+        .iter()
+        .find(|s| !["memory", "kafka", "amqp"].contains(&s.as_str()))
+    {
+        bail!("unknown source {bad:?}: use memory, kafka, amqp");
+    }
+    Ok(a)
+}

@@ -1,0 +1,149 @@
+//! The Kafka rows, on topics created for the run and deleted at its end.
+
+use std::time::Duration;
+
+use txinbox::IdStrategy;
+
+use crate::bench::Bench;
+use crate::peers::kafka_peer;
+use crate::publish::{Load, Publisher};
+use crate::report::{print_row, Mode, Row};
+
+impl Bench {
+    pub(crate) async fn kafka_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        use rdkafka::admin::{AdminClient, AdminOptions};
+        use rdkafka::client::DefaultClientContext;
+        let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+        if !reachable(&brokers).await {
+            println!("kafka: SKIPPED, no broker at {brokers} (set KAFKA_BROKERS; tansu: source scripts/lib/tansu.sh && ensure_tansu)");
+            return Ok(());
+        }
+        let topics = std::sync::Mutex::new(Vec::new());
+        let result = self.kafka_rows_on(&brokers, &topics, rows).await;
+        // NOTE: the topics are deleted at the end, by a client that never produced to them or
+        // cached their metadata. Deleting each after its row, while the publisher's producer
+        // was alive, crashed librdkafka 2.12 now and then (SIGSEGV in its metadata cache,
+        // `rd_kafka_metadata_cache_find` from `rd_kafka_metadata_update_op`, a known class of
+        // bugs with deleted topics: librdkafka #4964, #5051).
+        let topics = topics.into_inner().unwrap_or_else(|e| e.into_inner());
+        if !topics.is_empty() {
+            let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .create()?;
+            let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+            let _ = admin.delete_topics(&names, &AdminOptions::new()).await;
+        }
+        result
+    }
+
+    /// The Kafka rows; each topic created is added to `topics`.
+    pub(crate) async fn kafka_rows_on(
+        &self,
+        brokers: &str,
+        topics: &std::sync::Mutex<Vec<String>>,
+        rows: &mut Vec<Row>,
+    ) -> anyhow::Result<()> {
+        use rdkafka::admin::AdminClient;
+        use rdkafka::client::DefaultClientContext;
+        let brokers = brokers.to_owned();
+        let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()?;
+        let producer: rdkafka::producer::FutureProducer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("linger.ms", "5")
+            .set("queue.buffering.max.messages", "1000000")
+            .create()?;
+        let kafka_row = |mode: Mode, label: String, load: Load| {
+            let (admin, producer, brokers) = (&admin, &producer, &brokers);
+            async move {
+                let topic = format!("bench-{label}-{}", self.run_id);
+                create_topic(admin, &topic, self.args.partitions).await?;
+                topics.lock().unwrap().push(topic.clone());
+                let name = format!("bench-kafka-{label}-{}", self.run_id);
+                let config =
+                    txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
+                        .topic(topic.clone())
+                        .max_buffered_per_partition(load.window as usize);
+                let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
+                let publisher = Publisher::Kafka {
+                    producer: producer.clone(),
+                    topic: topic.clone(),
+                    partitions: self.args.partitions,
+                };
+                let row = self
+                    .row(
+                        "kafka",
+                        mode,
+                        &name,
+                        source,
+                        publisher,
+                        Some(IdStrategy::Offset),
+                        load,
+                    )
+                    .await;
+                row
+            }
+        };
+        let window = self
+            .window_for("kafka", |n, w| {
+                kafka_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
+            })
+            .await?;
+        self.source_rows("kafka", window, rows, kafka_row).await?;
+
+        let topic = format!("bench-peer-{}", self.run_id);
+        create_topic(&admin, &topic, self.args.partitions).await?;
+        topics.lock().unwrap().push(topic.clone());
+        let publisher = Publisher::Kafka {
+            producer: producer.clone(),
+            topic: topic.clone(),
+            partitions: self.args.partitions,
+        };
+        let (pool, brokers_, topic_, group) = (
+            self.pool.clone(),
+            brokers.clone(),
+            topic.clone(),
+            format!("g-bench-peer-{}", self.run_id),
+        );
+        let row = self
+            .peer_row(
+                "kafka",
+                publisher,
+                window,
+                "hand-written: rdkafka StreamConsumer + sqlx, a transaction per message, offset stored after COMMIT",
+                move |probe| kafka_peer(pool, brokers_, topic_, group, probe),
+            )
+            .await;
+        let row = row?;
+        print_row(&row);
+        rows.push(row);
+        Ok(())
+    }
+}
+
+pub(crate) async fn reachable(brokers: &str) -> bool {
+    let first = brokers.split(',').next().unwrap_or_default().to_owned();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(first)).await,
+        Ok(Ok(_))
+    )
+}
+
+pub(crate) async fn create_topic(
+    admin: &rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>,
+    topic: &str,
+    partitions: i32,
+) -> anyhow::Result<()> {
+    use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+    let results = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await?;
+    for r in results {
+        r.map_err(|(t, e)| anyhow::anyhow!("creating topic {t}: {e}"))?;
+    }
+    Ok(())
+}

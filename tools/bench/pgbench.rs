@@ -1,0 +1,65 @@
+//! The pgbench rows: what PostgreSQL itself commits on this machine, at the same batch sizes.
+
+use anyhow::{bail, Context as _};
+
+use crate::bench::Bench;
+use crate::measure::CpuMeter;
+use crate::report::Row;
+
+impl Bench {
+    /// pgbench, `clients` connections for `seconds`, each transaction inserting `batch` inbox
+    /// rows and `batch` effect rows: what PostgreSQL itself commits on this machine.
+    pub(crate) fn pgbench(&self, batch: usize) -> anyhow::Result<Row> {
+        let script = format!(
+            "BEGIN;\n\
+             INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ON CONFLICT (consumer, message_id) DO NOTHING;\n\
+             INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
+             COMMIT;\n"
+        );
+        let path = std::env::temp_dir().join(format!("txinbox-bench-{}-{batch}.sql", self.run_id));
+        std::fs::write(&path, script)?;
+        let clients = self.args.concurrency.to_string();
+        let meter = CpuMeter::start();
+        let out = std::process::Command::new("pgbench")
+            .args(["-n", "-M", "prepared", "-c", &clients, "-j", "2", "-T"])
+            .arg(self.args.pgbench_seconds.to_string())
+            .arg("-f")
+            .arg(&path)
+            .arg(&self.url)
+            .output()
+            .context("running pgbench (is it installed? /usr/bin/pgbench)")?;
+        let cpu = meter.and_then(CpuMeter::since);
+        let _ = std::fs::remove_file(&path);
+        let text = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            bail!("pgbench failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let field = |prefix: &str| -> Option<f64> {
+            text.lines()
+                .find(|l| l.starts_with(prefix))?
+                .trim_start_matches(prefix)
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        };
+        let tps = field("tps = ").context("pgbench printed no tps")?;
+        let latency = field("latency average = ");
+        let transactions = field("number of transactions actually processed: ").unwrap_or(0.0);
+        Ok(Row {
+            source: "pgbench".into(),
+            mode: if batch == 1 { "per_message" } else { "batched" },
+            messages: transactions as u64 * batch as u64,
+            msgs_per_sec: tps * batch as f64,
+            p50_ms: None,
+            p99_ms: None,
+            peak_rss_mb: None,
+            cpu,
+            note: format!(
+                "{batch} inbox + {batch} effect rows per transaction, -c {clients} -j 2 -M prepared, {}s; latency avg {} ms",
+                self.args.pgbench_seconds,
+                latency.map_or("?".into(), |l| format!("{l:.2}"))
+            ),
+        })
+    }
+}
