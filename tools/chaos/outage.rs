@@ -35,9 +35,13 @@ use anyhow::{bail, ensure, Context as _};
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use txinbox::sqlx::{self, PgPool};
 
+use crate::args::{Args, Phase};
+use crate::brokers;
 use crate::events::{Outgoing, Plan};
 use crate::process::{describe, tail, Ledger};
-use crate::{brokers, finish, prepare, Args, Chaos, Phase, Report, Setup, Side, GRACE, POLL};
+use crate::report::Report;
+use crate::run::{finish, prepare, Chaos, Setup, GRACE, POLL};
+use crate::side::Side;
 
 /// How often the group's committed offsets are sampled while the database is down.
 const SAMPLE: Duration = Duration::from_millis(250);

@@ -15,9 +15,12 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use tokio::task::JoinHandle;
 
+use crate::args::{Args, Phase};
 use crate::events::Outgoing;
 use crate::process::{describe, tail, Ledger};
-use crate::{finish, prepare, Args, Chaos, Phase, Report, Setup, Side, GRACE, POLL};
+use crate::report::Report;
+use crate::run::{finish, prepare, Chaos, Setup, GRACE, POLL};
+use crate::side::Side;
 
 /// Members of the group.
 const MEMBERS: usize = 3;
