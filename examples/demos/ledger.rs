@@ -41,6 +41,7 @@ use clap::{Parser, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
+use txinbox_demos::flags;
 use txinbox_demos::payments::{create_tables, Ledger};
 use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
 
@@ -51,10 +52,8 @@ struct Args {
     /// Where the payment events come from.
     #[arg(long, value_enum, env = "LEDGER_SOURCE")]
     source: Source,
-    /// Kafka: bootstrap brokers, host:port[,host:port] (use 127.0.0.1 rather than localhost for
-    /// brokers that listen on IPv4 only).
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    brokers: String,
+    #[command(flatten)]
+    kafka: flags::Kafka,
     /// Kafka: the topic of payment events. Dead letters go to `<topic>.dlq`.
     #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
     topic: String,
@@ -71,27 +70,14 @@ struct Args {
     /// was applied), `adopt` counts everything before the group's offset as done.
     #[arg(long, env = "LEDGER_ON_MISSING_POSITION", default_value = "refuse")]
     on_missing_position: MissingPosition,
-    /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
-    #[arg(
-        long,
-        env = "AMQP_URL",
-        hide_env_values = true,
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
-    )]
-    amqp_url: String,
+    #[command(flatten)]
+    amqp: flags::Amqp,
     /// AMQP: the queue of payment events (declared if missing, with `<queue>.retry` and
     /// `<queue>.dlq`).
     #[arg(long, env = "AMQP_QUEUE", default_value = "payments")]
     queue: String,
-    /// PostgreSQL: where the balances, the ledger entries and the inbox live. Its value is never
-    /// printed.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    postgres: flags::Postgres,
     /// The txinbox consumer name: half of every inbox key; instances of one service share it.
     #[arg(long, env = "LEDGER_CONSUMER", default_value = "ledger")]
     consumer_name: String,
@@ -120,7 +106,7 @@ async fn main() -> anyhow::Result<()> {
     // Listen before anything else, so a SIGTERM during startup also stops gracefully.
     let shutdown = shutdown_signal()?;
 
-    let inbox = PostgresInbox::connect(&args.database_url, 10)
+    let inbox = PostgresInbox::connect(&args.postgres.database_url, 10)
         .await
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
     txinbox::migrate(inbox.pool())
@@ -132,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
 
     let result = match args.source {
         Source::Kafka => {
-            let mut config = KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name)
+            let mut config = KafkaConfig::new(&args.kafka.brokers, &args.group, &args.consumer_name)
                 .topic(&args.topic)
                 .on_missing_position(args.on_missing_position);
             for (key, value) in &args.kafka_properties {
@@ -142,7 +128,7 @@ async fn main() -> anyhow::Result<()> {
             // The crash matrix's sabotaged outage run only (see `txinbox_demos::sabotage`).
             #[cfg(feature = "crash-points")]
             let source = txinbox_demos::sabotage::from_env(source);
-            tracing::info!(brokers = %args.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
+            tracing::info!(brokers = %args.kafka.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
             Consumer::builder(&args.consumer_name)
                 .source(source)
                 .inbox(inbox)
@@ -152,7 +138,7 @@ async fn main() -> anyhow::Result<()> {
                 .await
         }
         Source::Amqp => {
-            let source = AmqpSource::connect(AmqpConfig::new(&args.amqp_url, &args.queue))
+            let source = AmqpSource::connect(AmqpConfig::new(&args.amqp.amqp_url, &args.queue))
                 .await
                 .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
             #[cfg(feature = "crash-points")]

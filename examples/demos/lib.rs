@@ -1,6 +1,7 @@
 //! Shared pieces of the broker demos in this package (`cargo run --release --example <name>`
 //! from the repository root). The programs themselves live beside this file.
 //!
+//! - [`flags`]: the connection flags the demos and the crash matrix share;
 //! - [`payments`]: the `ledger` example's events, tables and handler;
 //! - [`reconcile`]: what the crash matrix (`tools/chaos`) checks after its runs: nothing lost,
 //!   nothing doubled;
@@ -8,6 +9,7 @@
 //!   its database-outage check can fail;
 //! - [`with_database`]: a PostgreSQL URL pointed at a scratch database.
 
+pub mod flags;
 pub mod payments;
 pub mod reconcile;
 pub mod sabotage;

@@ -35,6 +35,7 @@ use serde_json::{json, Value};
 use tracing_subscriber::EnvFilter;
 use txinbox::health::{Health, HealthReport};
 use txinbox::{Consumer, PostgresInbox};
+use txinbox_demos::flags;
 use txinbox_demos::payments::{create_tables, Ledger};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
 
@@ -45,23 +46,16 @@ struct Args {
     /// Where the HTTP server listens.
     #[arg(long, env = "LISTEN", default_value = "127.0.0.1:9898")]
     listen: String,
-    /// Kafka bootstrap brokers.
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    brokers: String,
+    #[command(flatten)]
+    kafka: flags::Kafka,
     /// The topic of payment events.
     #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
     topic: String,
     /// The consumer group.
     #[arg(long, env = "KAFKA_GROUP", default_value = "ledger")]
     group: String,
-    /// PostgreSQL URL. Its value is never printed.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database_url: String,
+    #[command(flatten)]
+    postgres: flags::Postgres,
     /// The txinbox consumer name.
     #[arg(long, env = "LEDGER_CONSUMER", default_value = "ledger")]
     consumer_name: String,
@@ -89,12 +83,12 @@ async fn main() -> anyhow::Result<()> {
         .install_recorder()
         .context("installing the Prometheus recorder failed")?;
 
-    let inbox = PostgresInbox::connect(&args.database_url, 10)
+    let inbox = PostgresInbox::connect(&args.postgres.database_url, 10)
         .await
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
     txinbox::migrate(inbox.pool()).await?;
     create_tables(inbox.pool()).await?;
-    let config = KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name).topic(&args.topic);
+    let config = KafkaConfig::new(&args.kafka.brokers, &args.group, &args.consumer_name).topic(&args.topic);
     let consumer = Consumer::builder(&args.consumer_name)
         .source(KafkaSource::new(config, inbox.clone())?)
         .inbox(inbox)

@@ -3,10 +3,14 @@
 use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
+use txinbox_demos::flags;
 
 /// Runs the ledger under a crash matrix and checks that nothing was lost or doubled.
 #[derive(Debug, Parser)]
 #[command(name = "chaos")]
+#[command(mut_arg("database_url", |a| a.help(
+    "PostgreSQL URL of a role that may create databases; each broker's run gets its own"
+)))]
 pub(crate) struct Args {
     /// Which broker(s) to run against.
     #[arg(long, value_enum, default_value = "all", env = "CHAOS_SOURCE")]
@@ -27,9 +31,8 @@ pub(crate) struct Args {
     /// kills fill the rest.
     #[arg(long, default_value_t = 120, env = "CHAOS_TIME_BUDGET")]
     pub(crate) time_budget: u64,
-    /// Kafka bootstrap brokers.
-    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
-    pub(crate) brokers: String,
+    #[command(flatten)]
+    pub(crate) kafka: flags::Kafka,
     /// The ledger's Kafka `session.timeout.ms`: how long the group waits for a killed member
     /// before a restarted one gets its partitions. Apache Kafka refuses less than its
     /// `group.min.session.timeout.ms` (6000 by default).
@@ -40,22 +43,10 @@ pub(crate) struct Args {
     /// the ledgers' logs.
     #[arg(long)]
     pub(crate) ledger_kafka_property: Vec<String>,
-    /// RabbitMQ URI.
-    #[arg(
-        long,
-        env = "AMQP_URL",
-        hide_env_values = true,
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
-    )]
-    pub(crate) amqp_url: String,
-    /// PostgreSQL URL of a role that may create databases; each broker's run gets its own.
-    #[arg(
-        long,
-        env = "DATABASE_URL",
-        hide_env_values = true,
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    pub(crate) database_url: String,
+    #[command(flatten)]
+    pub(crate) amqp: flags::Amqp,
+    #[command(flatten)]
+    pub(crate) postgres: flags::Postgres,
     /// The ledger binary (built with `--features crash-points`). Default: `ledger` next to
     /// this program.
     #[arg(long, env = "CHAOS_LEDGER")]

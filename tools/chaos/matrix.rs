@@ -45,7 +45,7 @@ pub(crate) async fn run_source(
         ledger,
         seed,
         partitions: brokers::PARTITIONS,
-        database_url: &args.database_url,
+        database_url: &args.postgres.database_url,
         events: args.events,
     };
     let (mut chaos, plan) = prepare(args, setup).await?;

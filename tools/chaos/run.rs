@@ -60,14 +60,14 @@ pub(crate) async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Ch
     let side = match source {
         "kafka" => Side::Kafka(
             Kafka::create(
-                &args.brokers,
+                &args.kafka.brokers,
                 &tag,
                 partitions,
                 args.kafka_session_timeout_ms,
             )
             .await?,
         ),
-        _ => Side::Amqp(Box::new(Amqp::create(&args.amqp_url, &tag).await?)),
+        _ => Side::Amqp(Box::new(Amqp::create(&args.amqp.amqp_url, &tag).await?)),
     };
     let db = Database::create(database_url, &format!("ledger_chaos_{}", tag.replace('-', "_"))).await?;
     let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));
@@ -83,7 +83,7 @@ pub(crate) async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Ch
     }
     let mut launcher = Launcher::new(ledger.to_path_buf(), ledger_args, logs)?;
     launcher.env("DATABASE_URL", &db.url);
-    launcher.env("AMQP_URL", &args.amqp_url);
+    launcher.env("AMQP_URL", &args.amqp.amqp_url);
     let plan = events::plan(
         &tag,
         events as usize,

@@ -49,7 +49,7 @@ pub async fn run(args: &Args, ledger: &Path, seed: u64) -> anyhow::Result<Report
         ledger,
         seed,
         partitions: PARTITIONS,
-        database_url: &args.database_url,
+        database_url: &args.postgres.database_url,
         events: args.storm_events,
     };
     let (mut chaos, plan) = prepare(args, setup).await?;
