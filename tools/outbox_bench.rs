@@ -1,4 +1,4 @@
-//! Outbox relay throughput, side by side: how fast a relay drains a backlog of outbox rows,
+//! Outbox relay throughput, side by side (`cargo run --release --example outbox_bench`): how fast a relay drains a backlog of outbox rows,
 //! by publisher (none — the database's share alone —, Kafka, RabbitMQ with 1 or 4 channels),
 //! batch size and number of keys. One key's rows are published one after another (each waits
 //! for its confirmation), so the 1-key rows show the per-key ceiling.

@@ -1,4 +1,4 @@
-//! The ledger: a payment consumer whose effect is not idempotent, made effectively-once by
+//! The ledger (`cargo run --release --example ledger -- --source amqp`): a payment consumer whose effect is not idempotent, made effectively-once by
 //! txinbox — and the target of the crash matrix (`tools/chaos/`).
 //!
 //! It consumes payment events, JSON `{"account": "<id>", "amount_cents": <i64>}`, from Kafka or

@@ -1,4 +1,4 @@
-//! Observability for orchestrators and Prometheus: the `ledger` consumer on Kafka, with an
+//! Observability for orchestrators and Prometheus (`cargo run --release --example observability`): the `ledger` consumer on Kafka, with an
 //! HTTP server on `--listen` (default 127.0.0.1:9898) serving
 //!
 //! - `GET /healthz`: 200 while the consumer has not stopped (liveness: restart it if not);

@@ -1,4 +1,4 @@
-//! Side-by-side throughput benchmark, one process, one table: for each source (the in-memory
+//! Side-by-side throughput benchmark (`cargo run --release --example bench`), one process, one table: for each source (the in-memory
 //! broker, Kafka, RabbitMQ) raw consumption without an inbox (the ceiling), one transaction per
 //! message, and micro-batched transactions; for each broker also the peer txinbox has to beat,
 //! a consumer written by hand the way users write one without it (rdkafka `StreamConsumer` or

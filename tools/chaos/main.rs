@@ -1,4 +1,4 @@
-//! The crash matrix: runs the `ledger` example against Kafka and RabbitMQ while killing it, and
+//! The crash matrix (`scripts/chaos` builds the ledger and this harness, then runs it): runs the `ledger` example against Kafka and RabbitMQ while killing it, and
 //! proves that no payment was lost and none applied twice.
 //!
 //! For each broker it creates a fresh topic or queue and a fresh database, publishes payment
