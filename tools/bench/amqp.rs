@@ -28,17 +28,7 @@ impl Bench {
             let (channel, url) = (&channel, &url);
             async move {
                 let queue = format!("bench-{label}-{}", self.run_id);
-                // Declared before publishing (as the adapter declares it: durable, no arguments).
-                channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        lapin::options::QueueDeclareOptions {
-                            durable: true,
-                            ..Default::default()
-                        },
-                        lapin::types::FieldTable::default(),
-                    )
-                    .await?;
+                declare_queue(channel, &queue).await?;
                 let name = format!("bench-amqp-{label}-{}", self.run_id);
                 let prefetch = (load.window.min(u16::MAX as u64)) as u16;
                 let config = txinbox_amqp::AmqpConfig::new(url.clone(), queue.clone()).prefetch(prefetch);
@@ -56,24 +46,10 @@ impl Bench {
                 row
             }
         };
-        let window = self
-            .window_for("amqp", |n, w| {
-                amqp_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
-            })
-            .await?;
-        self.source_rows("amqp", window, rows, amqp_row).await?;
+        let window = self.source_rows("amqp", rows, amqp_row).await?;
 
         let queue = format!("bench-peer-{}", self.run_id);
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                lapin::options::QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                lapin::types::FieldTable::default(),
-            )
-            .await?;
+        declare_queue(&channel, &queue).await?;
         let publisher = Publisher::Amqp {
             channel: channel.clone(),
             queue: queue.clone(),
@@ -100,4 +76,20 @@ impl Bench {
         rows.push(row);
         Ok(())
     }
+}
+
+/// Declares `queue` before anything is published to it, as the adapter declares it: durable, no
+/// arguments.
+async fn declare_queue(channel: &lapin::Channel, queue: &str) -> anyhow::Result<()> {
+    channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    Ok(())
 }

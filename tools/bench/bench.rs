@@ -212,19 +212,24 @@ impl Bench {
         }
     }
 
-    /// A broker's rows: raw, per_message and batched at saturation, then the fixed-rate rows.
-    /// `row(mode, label, load)` measures one row (`label` names its topic or queue).
+    /// A broker's rows: its window searched with raw rows (see [`window_for`](Self::window_for)),
+    /// then raw, per_message and batched at saturation, then the fixed-rate rows. `row(mode,
+    /// label, load)` measures one row (`label` names its topic or queue). Returns the window.
     pub(crate) async fn source_rows<F, Fut>(
         &self,
         source: &str,
-        window: u64,
         rows: &mut Vec<Row>,
         mut row: F,
-    ) -> anyhow::Result<()>
+    ) -> anyhow::Result<u64>
     where
         F: FnMut(Mode, String, Load) -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<Row>>,
     {
+        let window = self
+            .window_for(source, |n, w| {
+                row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
+            })
+            .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
             let r = row(
                 mode,
@@ -241,7 +246,7 @@ impl Bench {
             print_row(&r);
             rows.push(r);
         }
-        Ok(())
+        Ok(window)
     }
 
     /// The fixed-rate rows of a source whose saturated rows are in `rows`: raw and batched,

@@ -85,12 +85,7 @@ impl Bench {
                 row
             }
         };
-        let window = self
-            .window_for("kafka", |n, w| {
-                kafka_row(Mode::Raw, format!("window-{w}"), Load::saturated(n, w))
-            })
-            .await?;
-        self.source_rows("kafka", window, rows, kafka_row).await?;
+        let window = self.source_rows("kafka", rows, kafka_row).await?;
 
         let topic = format!("bench-peer-{}", self.run_id);
         create_topic(&admin, &topic, self.args.partitions).await?;
