@@ -119,6 +119,7 @@ async fn sqlite_store_conforms() {
 #[tokio::test]
 async fn sqlite_preflight_reports_a_commit_that_is_not_durable() {
     use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
+    use txinbox::InboxStore as _;
     let dir = std::env::temp_dir().join(format!("txinbox-preflight-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
