@@ -20,41 +20,44 @@
 //!
 //! # A third-party source
 //!
-//! ```no_run
-//! use txinbox_testing::conformance::source::{Features, Harness, TestMessage};
-//! # use txinbox::memory::{MemoryBroker, MemorySource};
-//! # struct MyBroker;
+//! A harness gives each case a stream of its own. This one wraps txinbox's in-memory broker;
+//! yours creates a topic or queue with a unique name, publishes with your broker's client, and
+//! opens your source on it (see `adapters/kafka/tests/conformance.rs` for a complete one).
 //!
-//! /// One fresh queue of my broker per case.
+//! ```no_run
+//! use txinbox::memory::{MemoryBroker, MemorySource};
+//! use txinbox_testing::conformance::source::{Features, Harness, TestMessage};
+//!
 //! struct MyHarness {
-//!     queue: String,
-//! #   broker: MemoryBroker,
+//!     broker: MemoryBroker, // your broker client and the case's topic or queue
 //! }
 //!
 //! #[txinbox::async_trait]
 //! impl Harness for MyHarness {
-//!     type Source = MemorySource; // your source type
+//!     type Source = MemorySource; // your source
 //!
 //!     fn features(&self) -> Features {
-//!         Features::default()
+//!         // Does a dropped delivery come back before the source is closed?
+//!         Features::default().redelivers_while_open(true)
 //!     }
-//!     async fn publish(&self, message: TestMessage) {
-//!         // publish `message.payload` (with its headers and key) into `self.queue`
-//! #       self.broker.publish_with(message.key.as_deref(), Some(message.id), message.headers, message.payload.into());
+//!     async fn publish(&self, m: TestMessage) {
+//!         // publish m.payload with m.headers (and m.key, m.id) into the case's stream
+//!         self.broker.publish_with(m.key.as_deref(), Some(m.id), m.headers, m.payload.into());
 //!     }
 //!     async fn open(&self) -> MemorySource {
-//!         // a new consumer of `self.queue`, in the same group as every earlier one
-//! #       self.broker.source()
+//!         // a new member of the case's subscription (same group, same queue)
+//!         self.broker.source()
 //!     }
+//!     // Optional: `dead_letters` (else those checks are skipped), `cleanup`.
 //! }
 //!
 //! async fn harness(case: &'static str) -> MyHarness {
-//!     MyHarness { queue: format!("conformance-{case}-{}", std::process::id()) }
-//! #   ; todo!()
+//!     MyHarness { broker: MemoryBroker::new(case) }
 //! }
 //!
-//! // One #[tokio::test] per case, named after it.
+//! // One #[tokio::test] per case, named after it (the test crate needs tokio).
 //! txinbox_testing::source_conformance!(harness);
+//! # fn main() {}
 //! ```
 //!
 //! [`RetryMode`]: txinbox::RetryMode

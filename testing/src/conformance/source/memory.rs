@@ -9,11 +9,8 @@ use txinbox::{async_trait, Message};
 use super::{Features, Harness};
 use crate::conformance::source::TestMessage;
 
-/// A fresh [`MemoryBroker`] queue per case.
-///
-/// ```no_run
-/// txinbox_testing::source_conformance!(txinbox_testing::conformance::source::MemoryHarness::new);
-/// ```
+/// A fresh [`MemoryBroker`] queue per case. txinbox's `tests/source_conformance.rs` is one
+/// line: `txinbox_testing::source_conformance!(MemoryHarness::new);`.
 #[derive(Debug, Clone)]
 pub struct MemoryHarness {
     broker: MemoryBroker,
