@@ -7,8 +7,9 @@ use std::fmt;
 
 use async_trait::async_trait;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::message::{Headers, Message, MessageId, Origin};
-use crate::source::{DeadLetterReason, Position};
+use crate::position::Position;
 
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
