@@ -102,8 +102,8 @@ pub use source::{
     Capabilities, Delivery, Lane, MessageSource, RetryMode, SettleError, Settlement, SourceError,
 };
 pub use store::{
-    Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
-    MAX_ERROR_LEN,
+    is_lock_conflict, Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore,
+    StoreError, MAX_ERROR_LEN,
 };
 
 #[cfg(feature = "postgres")]
