@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::message::{Message, MessageId};
-use crate::source::DeadLetterReason;
 
 /// Processes one new message inside the inbox transaction.
 ///

@@ -64,12 +64,14 @@
 
 mod consumer;
 pub mod crash;
+mod dead_letter;
 mod error;
 mod handler;
 pub mod health;
 mod message;
 #[cfg(feature = "postgres")]
 pub mod ops;
+mod position;
 pub mod redact;
 mod retry;
 mod router;
@@ -88,19 +90,20 @@ pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
 pub use consumer::{DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE};
+pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use error::Error;
 pub use handler::{BatchContext, BatchHandler, BatchMessage};
 pub use handler::{Context, Handler, HandlerError};
 pub use message::{Fingerprint, Headers, IdError, IdStrategy, Message, MessageId, Origin, MAX_ID_LEN};
-pub use retry::RetryPolicy;
+pub use position::{ConsumerPositions, Position, PositionStore};
+pub use retry::{Backoff, RetryPolicy};
 pub use router::Router;
 pub use source::{
-    Capabilities, DeadLetter, DeadLetterReason, Delivery, Lane, MessageSource, Position, RetryMode,
-    SettleError, Settlement, SourceError,
+    Capabilities, Delivery, Lane, MessageSource, RetryMode, SettleError, Settlement, SourceError,
 };
 pub use store::{
-    Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore, StoreError,
-    MAX_ERROR_LEN,
+    is_lock_conflict, Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore,
+    StoreError, MAX_ERROR_LEN,
 };
 
 #[cfg(feature = "postgres")]

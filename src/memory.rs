@@ -23,9 +23,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::Notify;
 
+use crate::dead_letter::DeadLetter;
 use crate::message::{Headers, IdStrategy, Message, Origin};
 use crate::source::{
-    Capabilities, DeadLetter, Delivery, Lane, MessageSource, RetryMode, SettleError, Settlement, SourceError,
+    Capabilities, Delivery, Lane, MessageSource, RetryMode, SettleError, Settlement, SourceError,
 };
 
 /// The in-memory queue. Cloning gives another handle to the same queue.

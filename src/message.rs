@@ -512,8 +512,63 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     s
 }
 
+/// Parses the [`label`](IdStrategy::label) of a strategy: `cloudevents`, `header:NAME`,
+/// `json:/POINTER`, `sha256`, `offset` or `native`, e.g. from a command line. The error lists
+/// the accepted forms.
+///
+/// ```
+/// use txinbox::IdStrategy;
+///
+/// assert_eq!("header:event-id".parse(), Ok(IdStrategy::Header("event-id".into())));
+/// assert!("uuid".parse::<IdStrategy>().unwrap_err().contains("header:NAME"));
+/// ```
+impl std::str::FromStr for IdStrategy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let strategy = match s {
+            "cloudevents" => IdStrategy::CloudEvents,
+            "sha256" => IdStrategy::PayloadHash,
+            "offset" => IdStrategy::Offset,
+            "native" => IdStrategy::Native,
+            _ => match (s.strip_prefix("header:"), s.strip_prefix("json:")) {
+                (Some(name), _) if !name.is_empty() => IdStrategy::Header(name.into()),
+                (_, Some(pointer)) if pointer.starts_with('/') => IdStrategy::JsonPointer(pointer.into()),
+                _ => {
+                    return Err(format!(
+                        "`{s}` is not an ID strategy: use cloudevents, header:NAME, json:/POINTER, sha256, offset or native"
+                    ))
+                }
+            },
+        };
+        Ok(strategy)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn id_strategies_parse_from_their_labels_and_nothing_else() {
+        for strategy in [
+            IdStrategy::CloudEvents,
+            IdStrategy::PayloadHash,
+            IdStrategy::Offset,
+            IdStrategy::Native,
+            IdStrategy::Header("ce_id".into()),
+            IdStrategy::JsonPointer("/event/id".into()),
+        ] {
+            assert_eq!(strategy.label().parse(), Ok(strategy));
+        }
+        for bad in ["", "uuid", "header:", "json:", "json:id", "CloudEvents"] {
+            let error = bad.parse::<IdStrategy>().unwrap_err();
+            assert!(
+                error.contains(&format!("`{bad}`"))
+                    && error.contains("cloudevents, header:NAME, json:/POINTER"),
+                "{error}"
+            );
+        }
+    }
+
     use super::*;
 
     fn msg(payload: &'static [u8]) -> Message {

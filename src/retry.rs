@@ -1,4 +1,6 @@
-//! [`RetryPolicy`]: how often and how late a transiently failing message is tried again.
+//! [`RetryPolicy`]: how often and how late a transiently failing message is tried again;
+//! [`Backoff`]: the exponential delay behind it and behind every other wait-and-retry in
+//! txinbox and its adapters (an unavailable database, a lock conflict, a reconnect).
 
 use std::time::Duration;
 
@@ -56,8 +58,7 @@ impl RetryPolicy {
     /// requested delay is honoured up to `max_delay`, never beyond: a handler asking for a day
     /// (or `Duration::MAX`) must not hold a Kafka partition, or a message, that long.
     pub fn delay(&self, attempt: u32, requested: Option<Duration>) -> Duration {
-        let ceiling = backoff_ceiling(self.initial_delay, self.max_delay, attempt);
-        let jittered = ceiling.mul_f64(fastrand::f64());
+        let jittered = Backoff::new(self.initial_delay, self.max_delay).full_jitter(attempt);
         requested.map_or(jittered, |r| r.min(self.max_delay).max(jittered))
     }
 
@@ -75,10 +76,46 @@ impl RetryPolicy {
     }
 }
 
-/// `min(max, initial * 2^(attempt-1))` without overflow.
-pub(crate) fn backoff_ceiling(initial: Duration, max: Duration, attempt: u32) -> Duration {
-    let shift = attempt.saturating_sub(1).min(30);
-    initial.saturating_mul(1u32 << shift).min(max)
+/// Exponential backoff: `initial` before the first retry, doubling with each further one, never
+/// above `max`. Each user keeps its own numbers and picks its jitter.
+///
+/// ```
+/// use std::time::Duration;
+/// use txinbox::Backoff;
+///
+/// let backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+/// assert_eq!(backoff.ceiling(3), Duration::from_millis(400));
+/// assert!(backoff.half_jitter(3) >= Duration::from_millis(200));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    /// `initial` doubling to `max`.
+    pub const fn new(initial: Duration, max: Duration) -> Self {
+        Backoff { initial, max }
+    }
+
+    /// The delay before retry `attempt` (1-based; 0 counts as 1), without jitter:
+    /// `min(max, initial * 2^(attempt-1))`, never overflowing.
+    pub fn ceiling(&self, attempt: u32) -> Duration {
+        let shift = attempt.saturating_sub(1).min(30);
+        self.initial.saturating_mul(1u32 << shift).min(self.max)
+    }
+
+    /// A random delay in `[ceiling / 2, ceiling]`: grows like the ceiling, while waiters that
+    /// failed together drift apart.
+    pub fn half_jitter(&self, attempt: u32) -> Duration {
+        self.ceiling(attempt).mul_f64(0.5 + fastrand::f64() / 2.0)
+    }
+
+    /// A random delay in `[0, ceiling]` ("full jitter"): spreads retries the most.
+    pub fn full_jitter(&self, attempt: u32) -> Duration {
+        self.ceiling(attempt).mul_f64(fastrand::f64())
+    }
 }
 
 #[cfg(test)]
@@ -86,22 +123,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn delays_grow_are_capped_and_jittered_below_the_ceiling() {
+    fn backoff_doubles_from_initial_to_max_and_jitters_below_the_ceiling() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
+        let ceilings: Vec<u128> = (0..=6).map(|n| b.ceiling(n).as_millis()).collect();
+        assert_eq!(ceilings, [100, 100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(b.ceiling(u32::MAX), Duration::from_secs(1), "no overflow");
+        let huge = Backoff::new(Duration::from_secs(u64::MAX / 2), Duration::MAX);
+        assert_eq!(huge.ceiling(40), Duration::MAX, "saturates");
+        for _ in 0..200 {
+            let half = b.half_jitter(3);
+            assert!((Duration::from_millis(200)..=Duration::from_millis(400)).contains(&half));
+            assert!(b.full_jitter(3) <= Duration::from_millis(400));
+        }
+    }
+
+    #[test]
+    fn delays_are_jittered_below_the_ceiling() {
         let p = RetryPolicy::default()
             .initial_delay(Duration::from_millis(100))
             .max_delay(Duration::from_secs(1));
-        assert_eq!(
-            backoff_ceiling(p.initial_delay, p.max_delay, 1),
-            Duration::from_millis(100)
-        );
-        assert_eq!(
-            backoff_ceiling(p.initial_delay, p.max_delay, 3),
-            Duration::from_millis(400)
-        );
-        assert_eq!(
-            backoff_ceiling(p.initial_delay, p.max_delay, 90),
-            Duration::from_secs(1)
-        );
         let delays: Vec<_> = (0..200).map(|_| p.delay(3, None)).collect();
         assert!(delays.iter().all(|d| *d <= Duration::from_millis(400)));
         assert!(

@@ -4,9 +4,9 @@ use std::fmt;
 
 use async_trait::async_trait;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::handler::{Context, Handler, HandlerError};
 use crate::message::Message;
-use crate::source::DeadLetterReason;
 
 /// A [`Handler`] that passes each message to the first route that matches it.
 ///

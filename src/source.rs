@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::dead_letter::DeadLetter;
 use crate::message::{IdStrategy, Message};
+use crate::position::{ConsumerPositions, Position};
 
 /// A stream of deliveries from one broker subscription (a Kafka consumer, an AMQP queue
 /// consumer, an in-memory queue).
@@ -47,13 +49,19 @@ pub trait MessageSource: Send + 'static {
         let _ = health;
     }
 
-    /// The consumer name under which this source reads the positions its consumer stores, if
-    /// it reads any (a Kafka source: the name given to `KafkaConfig::new`). The consumer refuses
-    /// to build when it is not its own name: the source would never find the positions the
-    /// consumer writes, and every restart would start from the broker's offsets instead. The
-    /// default is `None` (nothing to check). A source that wraps another forwards it.
-    fn positions_consumer(&self) -> Option<&str> {
-        None
+    /// Gives the source the positions of the consumer it belongs to: the consumer's name and
+    /// the store where the consumer writes each delivery's [`Position`] with its effects.
+    /// Called once, by [`ConsumerBuilder::build`](crate::ConsumerBuilder::build), before the
+    /// first [`receive`](MessageSource::receive).
+    ///
+    /// A source whose broker has positions (Kafka) reads them from here when it is assigned
+    /// lanes, so it resumes exactly where the database's state ends. The default ignores them:
+    /// right for a source without positions (AMQP, the in-memory broker); a source with
+    /// positions that ignores them restarts from the broker's own offsets. A source that wraps
+    /// another forwards it to the inner one. To drive a source without a consumer (a test
+    /// calling `receive` directly), call it yourself with [`ConsumerPositions::new`].
+    fn attach_positions(&mut self, positions: ConsumerPositions) {
+        let _ = positions;
     }
 
     /// Releases the subscription after the runtime has drained and settled every delivery:
@@ -124,77 +132,6 @@ pub enum Settlement {
     DeadLetter(DeadLetter),
 }
 
-/// Why and how a message was dead-lettered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetter {
-    /// Machine-readable reason.
-    pub reason: DeadLetterReason,
-    /// Human-readable error, truncated.
-    pub error: String,
-}
-
-/// Machine-readable dead-letter reasons. [`as_str`](DeadLetterReason::as_str) is what goes into
-/// the database and the broker's dead-letter headers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DeadLetterReason {
-    /// The handler returned a permanent error.
-    Permanent,
-    /// The handler failed transiently more often than the retry policy allows.
-    AttemptsExhausted,
-    /// The payload could not be decoded.
-    Undecodable,
-    /// The same message ID arrived with a different payload fingerprint.
-    Conflict,
-    /// No message ID could be derived under the configured strategy.
-    MissingId,
-    /// The derived message ID cannot be stored (too long, or contains NUL).
-    InvalidId,
-    /// Payload plus headers exceed the configured size limit.
-    TooLarge,
-    /// No [`Router`](crate::Router) route matched the message.
-    NoHandler,
-}
-
-impl DeadLetterReason {
-    /// The reason named by [`as_str`](Self::as_str), if it is one.
-    pub fn parse(s: &str) -> Option<Self> {
-        [
-            DeadLetterReason::Permanent,
-            DeadLetterReason::AttemptsExhausted,
-            DeadLetterReason::Undecodable,
-            DeadLetterReason::Conflict,
-            DeadLetterReason::MissingId,
-            DeadLetterReason::InvalidId,
-            DeadLetterReason::TooLarge,
-            DeadLetterReason::NoHandler,
-        ]
-        .into_iter()
-        .find(|r| r.as_str() == s)
-    }
-
-    /// The reason as stored and sent: `permanent_error`, `attempts_exhausted`, `undecodable`,
-    /// `conflict`, `missing_id`, `invalid_id`, `too_large`, `no_handler`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeadLetterReason::Permanent => "permanent_error",
-            DeadLetterReason::AttemptsExhausted => "attempts_exhausted",
-            DeadLetterReason::Undecodable => "undecodable",
-            DeadLetterReason::Conflict => "conflict",
-            DeadLetterReason::MissingId => "missing_id",
-            DeadLetterReason::InvalidId => "invalid_id",
-            DeadLetterReason::TooLarge => "too_large",
-            DeadLetterReason::NoHandler => "no_handler",
-        }
-    }
-}
-
-impl fmt::Display for DeadLetterReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// The ordering lane of a delivery.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Lane {
@@ -203,22 +140,6 @@ pub enum Lane {
     /// Processed in receive order with every other delivery of the same key (a Kafka
     /// topic-partition, or a key inside it).
     Ordered(Arc<str>),
-}
-
-/// A position in the source, stored with the effects so a restart or a database restore resumes
-/// exactly where the database's state ends.
-///
-/// The stored value is overwritten, never maximised: a replayed or late delivery can move it
-/// back, which only causes redeliveries the inbox absorbs, whereas moving it past a message not
-/// yet processed would lose that message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Position {
-    /// The stream, e.g. the Kafka topic.
-    pub source: Arc<str>,
-    /// The part of the stream, e.g. the partition number.
-    pub lane: Arc<str>,
-    /// The next position to read once this delivery is done (Kafka: offset + 1).
-    pub next: i64,
 }
 
 /// What the broker can do natively.

@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use metrics::{Counter, Gauge, Histogram};
 
-use crate::source::DeadLetterReason;
+use crate::dead_letter::DeadLetterReason;
 
 /// Counter: messages whose effects committed.
 pub const PROCESSED: &str = "txinbox_processed_total";

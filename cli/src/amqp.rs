@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use txinbox_amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use txinbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use txinbox_amqp::lapin::{self, BasicProperties, Channel, Connection, ConnectionProperties};
+use txinbox_amqp::{confirmed, Unconfirmed};
 
 use crate::error::CliError;
 
@@ -88,17 +89,12 @@ impl Amqp {
                 .await?
                 .await
         };
-        match tokio::time::timeout(TIMEOUT, publish).await {
-            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-            Ok(Ok(Confirmation::Ack(Some(r)))) => Err(format!(
-                "returned by the broker ({} {}): does queue {queue} exist?",
-                r.reply_code, r.reply_text
-            )),
-            Ok(Ok(Confirmation::Nack(_))) => Err("negatively confirmed by the broker".into()),
-            Ok(Ok(Confirmation::NotRequested)) => Err("publisher confirms are off".into()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no confirm within {TIMEOUT:?}")),
-        }
+        confirmed(TIMEOUT, publish)
+            .await
+            .map_err(|unconfirmed| match unconfirmed {
+                Unconfirmed::Returned { .. } => format!("{unconfirmed}: does queue {queue} exist?"),
+                other => other.to_string(),
+            })
     }
 }
 

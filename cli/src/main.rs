@@ -692,23 +692,10 @@ pub(crate) fn show_duration(d: Duration) -> String {
     }
 }
 
+/// [`IdStrategy`]'s own `FromStr`, reminding which strategy to give.
 fn parse_id_strategy(s: &str) -> Result<IdStrategy, String> {
-    Ok(match s {
-        "cloudevents" => IdStrategy::CloudEvents,
-        "sha256" => IdStrategy::PayloadHash,
-        "offset" => IdStrategy::Offset,
-        _ => {
-            if let Some(name) = s.strip_prefix("header:").filter(|n| !n.is_empty()) {
-                IdStrategy::Header(name.into())
-            } else if let Some(ptr) = s.strip_prefix("json:").filter(|p| p.starts_with('/')) {
-                IdStrategy::JsonPointer(ptr.into())
-            } else {
-                return Err(format!(
-                    "`{s}` is not an ID strategy: use cloudevents, header:NAME, json:/POINTER, sha256 or offset (as the consumer is configured)"
-                ));
-            }
-        }
-    })
+    s.parse::<IdStrategy>()
+        .map_err(|e| format!("{e} (as the consumer is configured)"))
 }
 
 fn parse_fingerprint(s: &str) -> Result<Fingerprint, String> {

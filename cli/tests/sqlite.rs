@@ -523,7 +523,7 @@ fn run_sqlite_consumer(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<Result<(), txinbox::Error>>,
 ) {
-    let config = txinbox_kafka::KafkaConfig::new(brokers, CONSUMER, CONSUMER)
+    let config = txinbox_kafka::KafkaConfig::new(brokers, CONSUMER)
         .topic(topic)
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
@@ -531,7 +531,7 @@ fn run_sqlite_consumer(
         .revoke_timeout(std::time::Duration::from_secs(5))
         .close_timeout(std::time::Duration::from_secs(15));
     let inbox = txinbox::SqliteInbox::new(db.pool.clone());
-    let source = txinbox_kafka::KafkaSource::new(config, inbox.clone()).expect("kafka source");
+    let source = txinbox_kafka::KafkaSource::new(config).expect("kafka source");
     let consumer = txinbox::Consumer::builder(CONSUMER)
         .source(source)
         .inbox(inbox)

@@ -118,13 +118,13 @@ async fn main() -> anyhow::Result<()> {
 
     let result = match args.source {
         Source::Kafka => {
-            let mut config = KafkaConfig::new(&args.kafka.brokers, &args.group, &args.consumer_name)
+            let mut config = KafkaConfig::new(&args.kafka.brokers, &args.group)
                 .topic(&args.topic)
                 .on_missing_position(args.on_missing_position);
             for (key, value) in &args.kafka_properties {
                 config = config.set(key, value);
             }
-            let source = KafkaSource::new(config, inbox.clone())?;
+            let source = KafkaSource::new(config)?;
             // The crash matrix's sabotaged outage run only (see `txinbox_demos::sabotage`).
             #[cfg(feature = "crash-points")]
             let source = txinbox_demos::sabotage::from_env(source);

@@ -88,9 +88,9 @@ async fn main() -> anyhow::Result<()> {
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
     txinbox::migrate(inbox.pool()).await?;
     create_tables(inbox.pool()).await?;
-    let config = KafkaConfig::new(&args.kafka.brokers, &args.group, &args.consumer_name).topic(&args.topic);
+    let config = KafkaConfig::new(&args.kafka.brokers, &args.group).topic(&args.topic);
     let consumer = Consumer::builder(&args.consumer_name)
-        .source(KafkaSource::new(config, inbox.clone())?)
+        .source(KafkaSource::new(config)?)
         .inbox(inbox)
         .handler(Ledger)
         .build()?;

@@ -92,8 +92,8 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
         self.inner.attach_health(health);
     }
 
-    fn positions_consumer(&self) -> Option<&str> {
-        self.inner.positions_consumer()
+    fn attach_positions(&mut self, positions: txinbox::ConsumerPositions) {
+        self.inner.attach_positions(positions);
     }
 
     async fn close(self) -> Result<(), SourceError> {

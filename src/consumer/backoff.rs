@@ -5,21 +5,21 @@ use std::time::Duration;
 
 use super::Shared;
 use crate::error::Error;
-use crate::retry::backoff_ceiling;
+use crate::retry::Backoff;
 use crate::store::{InboxStore, StoreError};
 
 /// Backoff for an unavailable inbox database: 100 ms doubling to 5 s, 50–100 % jitter.
 pub(crate) fn store_backoff(attempt: u32) -> Duration {
-    backoff_ceiling(Duration::from_millis(100), Duration::from_secs(5), attempt)
-        .mul_f64(0.5 + fastrand::f64() / 2.0)
+    const STORE: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    STORE.half_jitter(attempt)
 }
 
 /// Backoff before re-running a transaction that lost a lock conflict: 10 ms doubling to 1 s,
 /// 50–100 % jitter. Short, because the transaction it collided with usually ends within
 /// milliseconds; jittered, so the two do not collide again in step.
 pub(crate) fn contention_backoff(conflicts: u32) -> Duration {
-    backoff_ceiling(Duration::from_millis(10), Duration::from_secs(1), conflicts)
-        .mul_f64(0.5 + fastrand::f64() / 2.0)
+    const CONTENTION: Backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
+    CONTENTION.half_jitter(conflicts)
 }
 
 /// Runs a short store operation until it succeeds, backing off while the database is

@@ -15,7 +15,8 @@ use super::single::message_size;
 use super::Shared;
 use crate::handler::{BatchContext, BatchMessage, Context, Handler};
 use crate::message::MessageId;
-use crate::source::{Delivery, Position};
+use crate::position::Position;
+use crate::source::Delivery;
 use crate::store::{Claim, Entry, InboxStatus, InboxStore, StoreError};
 
 /// The `txinbox.process` span of one delivery, for its whole life (batched or alone).

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -14,9 +15,10 @@ use crate::error::Error;
 use crate::handler::Handler;
 use crate::health;
 use crate::message::{Fingerprint, IdStrategy};
+use crate::position::{ConsumerPositions, PositionStore};
 use crate::retry::RetryPolicy;
 use crate::source::MessageSource;
-use crate::store::InboxStore;
+use crate::store::{InboxStore, StoreError};
 use crate::telemetry;
 
 /// Default for [`ConsumerBuilder::concurrency`].
@@ -225,17 +227,6 @@ where
     /// Validates the configuration and builds the consumer.
     pub fn build(self) -> Result<Consumer<Src, St, H>, Error> {
         validate_name(&self.name).map_err(Error::Config)?;
-        if let Some(theirs) = self.source.positions_consumer() {
-            if theirs != self.name {
-                return Err(Error::Config(format!(
-                    "the source reads positions stored by consumer {theirs:?}, but this consumer is {:?} \
-                     and stores them under its own name: the source would never find them, and every \
-                     restart would start from the broker's offsets. Give both the same name (for \
-                     Kafka: KafkaConfig::new's consumer_name and Consumer::builder's name)",
-                    self.name
-                )));
-            }
-        }
         let caps = self.source.capabilities();
         let id_strategy = self.id_strategy.unwrap_or(caps.default_id_strategy);
         id_strategy.validate().map_err(Error::Config)?;
@@ -269,37 +260,69 @@ where
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
         let health = Arc::new(health::State::new(name.clone()));
+        let shared = Arc::new(Shared {
+            metrics: telemetry::Metrics::new(&name),
+            name: name.clone(),
+            system: caps.system,
+            retry_mode: caps.retry,
+            store: self.inbox,
+            handler: self.handler,
+            id_strategy,
+            fingerprint: self.fingerprint,
+            retry: self.retry,
+            max_message_bytes: self.max_message_bytes,
+            dead_letter_payload_limit: self.dead_letter_payload_limit.unwrap_or(self.max_message_bytes),
+            batch_size: self.batch_size,
+            batch_limit: AtomicUsize::new(self.batch_size),
+            contended_at: AtomicU64::new(0),
+            started: std::time::Instant::now() - CONTENTION_COOLDOWN,
+            batch_linger: self.batch_linger,
+            concurrency: Semaphore::new(self.concurrency),
+            concurrency_limit: self.concurrency,
+            full_batch: (self.max_in_flight / self.concurrency).max(1),
+            healthy,
+            health: health.clone(),
+            shutdown: CancellationToken::new(),
+            fatal: Mutex::new(None),
+        });
+        // The hand-over: the source learns whose positions it reads, and where, from the
+        // consumer itself, so the two cannot name different consumers.
         let mut source = self.source;
         source.attach_health(health.source.clone());
+        source.attach_positions(ConsumerPositions::new(name, InboxPositions(shared.clone())));
         Ok(Consumer {
             source,
             max_in_flight: self.max_in_flight,
-            shared: Arc::new(Shared {
-                metrics: telemetry::Metrics::new(&name),
-                name,
-                system: caps.system,
-                retry_mode: caps.retry,
-                store: self.inbox,
-                handler: self.handler,
-                id_strategy,
-                fingerprint: self.fingerprint,
-                retry: self.retry,
-                max_message_bytes: self.max_message_bytes,
-                dead_letter_payload_limit: self.dead_letter_payload_limit.unwrap_or(self.max_message_bytes),
-                batch_size: self.batch_size,
-                batch_limit: AtomicUsize::new(self.batch_size),
-                contended_at: AtomicU64::new(0),
-                started: std::time::Instant::now() - CONTENTION_COOLDOWN,
-                batch_linger: self.batch_linger,
-                concurrency: Semaphore::new(self.concurrency),
-                concurrency_limit: self.concurrency,
-                full_batch: (self.max_in_flight / self.concurrency).max(1),
-                healthy,
-                health,
-                shutdown: CancellationToken::new(),
-                fatal: Mutex::new(None),
-            }),
+            shared,
         })
+    }
+}
+
+/// The consumer's inbox store as the [`PositionStore`] its source reads: the store lives in
+/// [`Shared`], so the source shares it rather than a copy.
+struct InboxPositions<St, H>(Arc<Shared<St, H>>);
+
+#[async_trait]
+impl<St, H> PositionStore for InboxPositions<St, H>
+where
+    St: InboxStore,
+    H: Send + Sync + 'static,
+{
+    async fn load(&self, consumer: &str, source: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        self.0.store.load_positions(consumer, source).await
+    }
+
+    async fn record_subscription(
+        &self,
+        consumer: &str,
+        system: &str,
+        source: &str,
+        subscription: &str,
+    ) -> Result<Option<String>, StoreError> {
+        self.0
+            .store
+            .record_subscription(consumer, system, source, subscription)
+            .await
     }
 }
 

@@ -167,7 +167,7 @@ pub(super) enum LaneEnd {
 /// Where an ordered lane stopped: the delivery left unsettled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Stop {
-    /// Its [`Position::next`](crate::source::Position::next), if it has one.
+    /// Its [`Position::next`](crate::position::Position::next), if it has one.
     pub(super) next: Option<i64>,
     /// Its [`Delivery::assignment`].
     pub(super) assignment: Option<u64>,

@@ -8,8 +8,9 @@ use tracing::Span;
 use super::backoff::with_store;
 use super::scheduler::Stop;
 use super::Shared;
+use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::handler::Handler;
-use crate::source::{DeadLetter, DeadLetterReason, Delivery, SettleError, Settlement};
+use crate::source::{Delivery, SettleError, Settlement};
 use crate::store::{DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore};
 
 /// How long a settlement may still take once shutdown has begun.

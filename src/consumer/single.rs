@@ -19,9 +19,11 @@ use super::call::run_handler;
 use super::scheduler::Stop;
 use super::settle::Verdict;
 use super::Shared;
+use crate::dead_letter::{DeadLetter, DeadLetterReason};
 use crate::handler::{Context, Handler, HandlerError};
 use crate::message::{Fingerprint, MessageId};
-use crate::source::{DeadLetter, DeadLetterReason, Delivery, Position, RetryMode};
+use crate::position::Position;
+use crate::source::{Delivery, RetryMode};
 use crate::store::{clean_text, Claim, Entry, InboxStatus, InboxStore, StoreError};
 
 /// The result of one trip through the message transaction.

@@ -7,8 +7,9 @@ use std::fmt;
 
 use async_trait::async_trait;
 
+use crate::dead_letter::DeadLetterReason;
 use crate::message::{Headers, Message, MessageId, Origin};
-use crate::source::{DeadLetterReason, Position};
+use crate::position::Position;
 
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
@@ -419,12 +420,13 @@ enum StoreErrorKind {
 /// serialization failure or a lock timeout on PostgreSQL (`40P01`, `40001`, `55P03`),
 /// `SQLITE_BUSY` or `SQLITE_LOCKED` on SQLite. The one classification of contention: the
 /// stores use it for their own statements, [`HandlerError`](crate::HandlerError) for a
-/// handler's, and the runtime re-runs such a transaction without counting an attempt.
+/// handler's (the runtime re-runs such a transaction without counting an attempt), and
+/// `txinbox-http` for its idempotency store (409, retry later, not "unavailable").
 ///
 /// Not contention: a statement timeout or a session ended for idling in a transaction. Those
 /// may be the message's own doing (a slow query, a handler waiting on a remote call), so they
 /// count as attempts and end in a dead letter rather than a loop.
-pub(crate) fn is_lock_conflict(e: &sqlx::Error) -> bool {
+pub fn is_lock_conflict(e: &sqlx::Error) -> bool {
     let sqlx::Error::Database(db) = e else {
         return false;
     };

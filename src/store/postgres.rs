@@ -7,7 +7,8 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Postgres, Transaction};
 
 use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
-use crate::source::{DeadLetterReason, Position};
+use crate::dead_letter::DeadLetterReason;
+use crate::position::Position;
 use std::collections::{HashMap, HashSet};
 
 /// The schema that holds txinbox's tables and its migration ledger.

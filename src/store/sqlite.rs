@@ -17,7 +17,8 @@ use sqlx::sqlite::{
 use sqlx::{Sqlite, Transaction};
 
 use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
-use crate::source::{DeadLetterReason, Position};
+use crate::dead_letter::DeadLetterReason;
+use crate::position::Position;
 
 /// The embedded SQLite migrations, with their ledger in `txinbox_sqlx_migrations`.
 pub fn sqlite_migrator() -> sqlx::migrate::Migrator {

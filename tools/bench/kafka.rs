@@ -61,11 +61,10 @@ impl Bench {
                 create_topic(admin, &topic, self.args.partitions).await?;
                 topics.lock().unwrap().push(topic.clone());
                 let name = format!("bench-kafka-{label}-{}", self.run_id);
-                let config =
-                    txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"), name.clone())
-                        .topic(topic.clone())
-                        .max_buffered_per_partition(load.window as usize);
-                let source = txinbox_kafka::KafkaSource::new(config, self.inbox())?;
+                let config = txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"))
+                    .topic(topic.clone())
+                    .max_buffered_per_partition(load.window as usize);
+                let source = txinbox_kafka::KafkaSource::new(config)?;
                 let publisher = Publisher::Kafka {
                     producer: producer.clone(),
                     topic: topic.clone(),

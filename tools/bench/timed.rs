@@ -32,8 +32,8 @@ impl<S: MessageSource> MessageSource for Timed<S> {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
-    fn positions_consumer(&self) -> Option<&str> {
-        self.inner.positions_consumer()
+    fn attach_positions(&mut self, positions: txinbox::ConsumerPositions) {
+        self.inner.attach_positions(positions);
     }
     async fn close(self) -> Result<(), SourceError> {
         self.inner.close().await

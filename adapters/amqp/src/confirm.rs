@@ -1,20 +1,25 @@
 //! Waiting for a publisher confirm, once for every publish that needs one (the retry and
 //! dead-letter copies of [`AmqpDelivery`](crate::AmqpDelivery), the outbox rows of
-//! [`AmqpPublisher`](crate::AmqpPublisher)): [`confirmed`] is `Ok` only for a positive confirm
-//! of a routed message; anything else is an [`Unconfirmed`] saying why.
+//! [`AmqpPublisher`](crate::AmqpPublisher), the `txinbox` CLI's requeue): [`confirmed`] is `Ok`
+//! only for a positive confirm of a routed message; anything else is an [`Unconfirmed`] saying
+//! why.
 
+use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
 use lapin::types::{ReplyCode, ShortString};
 use lapin::Confirmation;
 
-/// Why a publish was not confirmed as routed.
+/// Why a publish was not confirmed as routed. `Display` words each case; a caller that knows
+/// the destination words [`Returned`](Unconfirmed::Returned) itself (what to check).
 #[derive(Debug)]
-pub(crate) enum Unconfirmed {
+pub enum Unconfirmed {
     /// Confirmed, but returned by the broker as unroutable (`mandatory`).
     Returned {
+        /// The broker's reply code (312 `NO_ROUTE`).
         reply_code: ReplyCode,
+        /// The broker's reply text.
         reply_text: ShortString,
     },
     /// Negatively confirmed by the broker.
@@ -46,18 +51,41 @@ impl Unconfirmed {
                 reply_code,
                 reply_text,
             } => returned(*reply_code, reply_text),
-            Unconfirmed::Nack => "negatively confirmed by the broker".to_string(),
-            Unconfirmed::NotRequested => "publisher confirms are off".to_string(),
-            Unconfirmed::Failed(e) => e.to_string(),
-            Unconfirmed::TimedOut(limit) => format!("no confirm within {limit:?} (publish_timeout)"),
+            Unconfirmed::TimedOut(_) => format!("{self} (publish_timeout)"),
+            _ => self.to_string(),
         }
     }
 }
 
-/// Waits at most `timeout` for `publish` (a `basic.publish` and then its
+impl fmt::Display for Unconfirmed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unconfirmed::Returned {
+                reply_code,
+                reply_text,
+            } => write!(f, "returned by the broker ({reply_code} {reply_text})"),
+            Unconfirmed::Nack => f.write_str("negatively confirmed by the broker"),
+            Unconfirmed::NotRequested => f.write_str("publisher confirms are off"),
+            Unconfirmed::Failed(e) => write!(f, "{e}"),
+            Unconfirmed::TimedOut(limit) => write!(f, "no confirm within {limit:?}"),
+        }
+    }
+}
+
+impl std::error::Error for Unconfirmed {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Unconfirmed::Failed(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Waits at most `timeout` for `publish` (a `basic.publish` on a channel in confirm mode, with
+/// `mandatory` set so an unroutable message comes back, and then its
 /// [`PublisherConfirm`](lapin::PublisherConfirm)). `Ok` only for a positive confirm without a
 /// returned message.
-pub(crate) async fn confirmed(
+pub async fn confirmed(
     timeout: Duration,
     publish: impl Future<Output = lapin::Result<Confirmation>>,
 ) -> Result<(), Unconfirmed> {

@@ -101,6 +101,7 @@ pub use config::{
     retry_queue_arguments, AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT,
     DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
 };
+pub use confirm::{confirmed, Unconfirmed};
 pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
 pub use error::Error;
 pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};

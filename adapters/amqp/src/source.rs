@@ -330,12 +330,9 @@ impl Supervisor {
         }
     }
 
+    /// `reconnect_min` doubling to `reconnect_max`, 50–100 % jitter.
     fn backoff(&self, attempt: u32) -> Duration {
-        let (min, max) = (self.config.reconnect_min, self.config.reconnect_max);
-        let ceiling = min
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20))
-            .min(max);
-        ceiling.mul_f64(0.5 + fastrand::f64() / 2.0)
+        txinbox::Backoff::new(self.config.reconnect_min, self.config.reconnect_max).half_jitter(attempt)
     }
 
     /// Connects and subscribes: connection, channel, topology, confirms, QoS, consume.

@@ -214,11 +214,11 @@ async fn http_to_outbox_to_kafka_to_consumer_is_one_effect_per_key() {
 
     // Downstream consumer.
     let inbox = txinbox::PostgresInbox::new(pool.clone());
-    let config = KafkaConfig::new(&brokers, "g-downstream", "downstream")
+    let config = KafkaConfig::new(&brokers, "g-downstream")
         .topic(TOPIC)
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500");
-    let source = KafkaSource::new(config, inbox.clone()).unwrap();
+    let source = KafkaSource::new(config).unwrap();
     let consumer = txinbox::Consumer::builder("downstream")
         .source(source)
         .inbox(inbox)

@@ -155,12 +155,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The consumer service.
     let inbox = PostgresInbox::new(pool.clone());
-    let config = KafkaConfig::new(&brokers, format!("{topic}-group"), CONSUMER)
+    let config = KafkaConfig::new(&brokers, format!("{topic}-group"))
         .topic(&topic)
         // Any librdkafka property passes through. A short session timeout makes a new group
         // form quickly on tansu, which waits about half of it for more members to join.
         .set("session.timeout.ms", "6000");
-    let source = KafkaSource::new(config, inbox.clone())?;
+    let source = KafkaSource::new(config)?;
     let consumer = Consumer::builder(CONSUMER)
         .source(source)
         .inbox(inbox)

@@ -10,12 +10,11 @@ use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, RebalanceProtocol};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
-use txinbox::StoreError;
+use txinbox::{Backoff, ConsumerPositions, StoreError};
 
 use crate::config::MissingPosition;
 use crate::metrics_names;
 use crate::poller::PollerContext;
-use crate::positions::PositionStore;
 use crate::state::{Shared, State};
 use crate::tracker::Partition;
 
@@ -23,6 +22,8 @@ use crate::tracker::Partition;
 const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often the database positions of blocked partitions are read again.
 const BLOCKED_RECHECK: Duration = Duration::from_secs(2);
+/// Between failed store calls during an assignment: 200 ms doubling to 5 s.
+const STORE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 /// How long one attempt to read the group's committed offsets may take during an assignment.
 const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -74,18 +75,12 @@ impl PollerContext {
         };
         for topic in &topics {
             let group = config.group_id.clone();
-            let Some(recorded) = self.store_call(
-                topic,
-                "recording the consumer group",
-                move |store, consumer, topic| {
+            let Some(recorded) =
+                self.store_call(topic, "recording the consumer group", move |positions, topic| {
                     let group = group.clone();
-                    Box::pin(async move {
-                        store
-                            .record_subscription(&consumer, "kafka", &topic, &group)
-                            .await
-                    })
-                },
-            ) else {
+                    Box::pin(async move { positions.record_subscription("kafka", &topic, &group).await })
+                })
+            else {
                 tracing::info!("stopping: assignment not taken");
                 take_nothing();
                 return;
@@ -93,7 +88,7 @@ impl PollerContext {
             if let Some(other) = recorded {
                 let text = format!(
                     "consumer {:?} reads topic {topic:?} through consumer group {other:?} (recorded in the database), not {:?}: two groups under one consumer name share one inbox and one set of positions, and each would skip the other's messages as duplicates. Give this service its own consumer name, or move the consumer to the new group on purpose with `txinbox positions rebind`",
-                    config.consumer_name, config.group_id
+                    self.shared.consumer_name(), config.group_id
                 );
                 tracing::error!(error = %text, "refusing the assignment");
                 *self.shared.fatal.lock().unwrap_or_else(|e| e.into_inner()) = Some(text);
@@ -104,11 +99,9 @@ impl PollerContext {
         let mut from_db = Vec::new();
         let mut starts: HashMap<(String, i32), i64> = HashMap::new();
         for topic in &topics {
-            let Some(positions) =
-                self.store_call(topic, "loading database positions", |store, consumer, topic| {
-                    Box::pin(async move { store.load(&consumer, &topic).await })
-                })
-            else {
+            let Some(positions) = self.store_call(topic, "loading database positions", |positions, topic| {
+                Box::pin(async move { positions.load(&topic).await })
+            }) else {
                 tracing::info!("stopping: assignment not taken");
                 take_nothing();
                 return;
@@ -261,11 +254,11 @@ impl PollerContext {
                         %topic,
                         partition,
                         group = %config.group_id,
-                        consumer = %config.consumer_name,
+                        consumer = %self.shared.consumer_name(),
                         group_offset = %shown,
                         "NOT consuming {topic}/{partition}: consumer group {:?} has committed offset {shown} but the database has no position for consumer {:?} (restored from a dump taken before this partition was first processed, or a fresh database?). Starting at the group's offset would skip the effects of everything before it. Ways out: start it from the earliest retained offset (KafkaConfig::on_missing_position(MissingPosition::Earliest), or `txinbox positions set --to-earliest`), or count everything before the group's offset as done (MissingPosition::AdoptGroupOffset, or `txinbox positions adopt`). A position written to the database is picked up within {BLOCKED_RECHECK:?}, without a restart",
                         config.group_id,
-                        config.consumer_name,
+                        self.shared.consumer_name(),
                     );
                     // Assigned (the group keeps it here) and paused at once; nothing of it is
                     // handed out while it is blocked.
@@ -415,24 +408,22 @@ impl PollerContext {
     }
 
     /// Runs a store operation for `topic` on the runtime and waits for it, retrying while the
-    /// database is unavailable (fail closed). `None`: the source is stopping.
+    /// database is unavailable (fail closed). `None`: the source is stopping (or has no
+    /// consumer's positions, which the poller never polls without).
     fn store_call<T: Send + 'static>(
         &self,
         topic: &str,
         what: &str,
-        op: impl Fn(Arc<dyn PositionStore>, String, String) -> BoxFuture<'static, Result<T, StoreError>>,
+        op: impl Fn(ConsumerPositions, String) -> BoxFuture<'static, Result<T, StoreError>>,
     ) -> Option<T> {
+        let positions = self.shared.positions.get()?;
         let mut failures: u32 = 0;
         loop {
             if self.shared.stopping() {
                 return None;
             }
             let (tx, rx) = std::sync::mpsc::channel();
-            let call = op(
-                self.positions.clone(),
-                self.shared.config.consumer_name.clone(),
-                topic.to_owned(),
-            );
+            let call = op(positions.clone(), topic.to_owned());
             self.runtime.spawn(async move {
                 let _ = tx.send(call.await);
             });
@@ -450,7 +441,7 @@ impl PollerContext {
                 }
             };
             failures += 1;
-            let delay = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
+            let delay = STORE_BACKOFF.ceiling(failures);
             tracing::warn!(
                 %topic,
                 %error,
@@ -502,14 +493,14 @@ impl Recheck {
             return;
         }
         let topics: BTreeSet<Arc<str>> = blocked.into_iter().map(|(t, _)| t).collect();
-        let context = consumer.context();
-        let store = context.positions.clone();
-        let name = shared.config.consumer_name.clone();
+        let Some(positions) = shared.positions.get().cloned() else {
+            return;
+        };
         let (tx, rx) = std::sync::mpsc::channel();
-        context.runtime.spawn(async move {
+        consumer.context().runtime.spawn(async move {
             let mut answers = Vec::new();
             for topic in topics {
-                let answer = tokio::time::timeout(LOAD_TIMEOUT, store.load(&name, &topic))
+                let answer = tokio::time::timeout(LOAD_TIMEOUT, positions.load(&topic))
                     .await
                     .unwrap_or_else(|_| {
                         Err(StoreError::transient(format!(

@@ -36,7 +36,7 @@ const OWNED: &[(&str, &str)] = &[
 /// use std::time::Duration;
 /// use txinbox_kafka::KafkaConfig;
 ///
-/// let config = KafkaConfig::new("127.0.0.1:9092", "payments", "payments-service")
+/// let config = KafkaConfig::new("127.0.0.1:9092", "payments")
 ///     .topic("deposits")
 ///     .dead_letter_topic("deposits.dlq")
 ///     .max_buffered_per_partition(200)
@@ -61,7 +61,6 @@ const OWNED: &[(&str, &str)] = &[
 pub struct KafkaConfig {
     pub(crate) brokers: String,
     pub(crate) group_id: String,
-    pub(crate) consumer_name: String,
     pub(crate) topics: Vec<String>,
     pub(crate) dead_letter_topic: Option<String>,
     pub(crate) max_buffered_per_partition: usize,
@@ -133,7 +132,6 @@ impl fmt::Debug for KafkaConfig {
         f.debug_struct("KafkaConfig")
             .field("brokers", &redact::url(&self.brokers))
             .field("group_id", &self.group_id)
-            .field("consumer_name", &self.consumer_name)
             .field("topics", &self.topics)
             .field("dead_letter_topic", &self.dead_letter_topic)
             .field("max_buffered_per_partition", &self.max_buffered_per_partition)
@@ -183,19 +181,12 @@ impl KafkaConfig {
     /// Consume as member of consumer group `group_id` from `brokers` (`host:port[,host:port]`;
     /// use `127.0.0.1`, not `localhost`, for brokers listening on IPv4 only).
     ///
-    /// `consumer_name` must be the name given to
-    /// [`txinbox::Consumer::builder`]: the source reads the positions that consumer stored in
-    /// the database when it is assigned partitions. The consumer refuses to build under another
-    /// name ([`MessageSource::positions_consumer`](txinbox::MessageSource::positions_consumer)).
-    pub fn new(
-        brokers: impl Into<String>,
-        group_id: impl Into<String>,
-        consumer_name: impl Into<String>,
-    ) -> Self {
+    /// Which consumer's database positions the source reads is not configured here: the
+    /// [`txinbox::Consumer`] it is given to hands over its own name and store when it is built.
+    pub fn new(brokers: impl Into<String>, group_id: impl Into<String>) -> Self {
         KafkaConfig {
             brokers: brokers.into(),
             group_id: group_id.into(),
-            consumer_name: consumer_name.into(),
             topics: Vec::new(),
             dead_letter_topic: None,
             max_buffered_per_partition: DEFAULT_MAX_BUFFERED_PER_PARTITION,
@@ -280,11 +271,6 @@ impl KafkaConfig {
         self
     }
 
-    /// The consumer name this source reads database positions for.
-    pub fn consumer_name(&self) -> &str {
-        &self.consumer_name
-    }
-
     /// The subscribed topics.
     pub fn topics(&self) -> &[String] {
         &self.topics
@@ -312,12 +298,6 @@ impl KafkaConfig {
         }
         if self.group_id.trim().is_empty() {
             return Err("group id is empty: pass the consumer group to KafkaConfig::new".into());
-        }
-        if self.consumer_name.trim().is_empty() {
-            return Err(
-                "consumer name is empty: pass the name given to txinbox::Consumer::builder to KafkaConfig::new"
-                    .into(),
-            );
         }
         if self.topics.is_empty() {
             return Err("no topics: add at least one with KafkaConfig::topic".into());
@@ -427,7 +407,7 @@ mod tests {
     use super::*;
 
     fn base() -> KafkaConfig {
-        KafkaConfig::new("127.0.0.1:9092", "g", "c").topic("t")
+        KafkaConfig::new("127.0.0.1:9092", "g").topic("t")
     }
 
     #[test]
@@ -442,8 +422,8 @@ mod tests {
     #[test]
     fn invalid_configurations_say_what_to_change() {
         let err = |c: KafkaConfig| c.validate().unwrap_err();
-        assert!(err(KafkaConfig::new("", "g", "c").topic("t")).contains("brokers"));
-        assert!(err(KafkaConfig::new("b", "g", "c")).contains("KafkaConfig::topic"));
+        assert!(err(KafkaConfig::new("", "g").topic("t")).contains("brokers"));
+        assert!(err(KafkaConfig::new("b", "g")).contains("KafkaConfig::topic"));
         assert!(err(base().set("enable.auto.offset.store", "true")).contains("only after"));
         assert!(err(base().set("group.id", "x")).contains("KafkaConfig::new"));
         assert!(err(base().dead_letter_topic("t")).contains("dead-letter topic"));

@@ -6,7 +6,7 @@ use std::time::Duration;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
-use txinbox::{DeadLetter, SettleError};
+use txinbox::{Backoff, DeadLetter, SettleError};
 
 use crate::delivery::KafkaDelivery;
 use crate::produce::{self, Failure};
@@ -15,6 +15,8 @@ use crate::{headers, metrics_names};
 /// A dead letter waiting on a transient failure logs a warning on its first failure and then
 /// on every this many.
 const DEAD_LETTER_WARN_EVERY: u32 = 10;
+/// Between attempts to produce a dead letter after a transient failure: 200 ms doubling to 5 s.
+const RETRY_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
 impl KafkaDelivery {
     /// Produces the dead letter and waits for the broker's confirmation.
@@ -99,7 +101,7 @@ impl KafkaDelivery {
             if waiting.is_none() {
                 waiting = Some(Waiting::new(topic.clone()));
             }
-            let delay = Duration::from_millis(100 * 2u64.pow(failures.min(6))).min(Duration::from_secs(5));
+            let delay = RETRY_BACKOFF.ceiling(failures);
             if failures == 1 || failures.is_multiple_of(DEAD_LETTER_WARN_EVERY) {
                 tracing::warn!(
                     dead_letter_topic = %topic,
@@ -173,7 +175,7 @@ impl KafkaDelivery {
             (headers::PARTITION, &partition),
             (headers::OFFSET, &offset),
             (headers::TIMESTAMP, &timestamp),
-            (headers::CONSUMER, &self.shared.config.consumer_name),
+            (headers::CONSUMER, self.shared.consumer_name()),
         ];
         for (key, value) in fields {
             h = h.insert(Header {

@@ -10,9 +10,9 @@
 //! # async fn demo(inbox: txinbox::PostgresInbox, handler: impl txinbox::Handler<txinbox::sqlx::Postgres>) -> Result<(), txinbox::Error> {
 //! use txinbox_kafka::{KafkaConfig, KafkaSource};
 //!
-//! let config = KafkaConfig::new("127.0.0.1:9092", "payments", "payments-service").topic("deposits");
-//! let source = KafkaSource::new(config, inbox.clone())?;
-//! txinbox::Consumer::builder("payments-service") // the same name as in KafkaConfig::new
+//! let config = KafkaConfig::new("127.0.0.1:9092", "payments").topic("deposits");
+//! let source = KafkaSource::new(config)?;
+//! txinbox::Consumer::builder("payments-service") // the source reads this consumer's positions
 //!     .source(source)
 //!     .inbox(inbox)
 //!     .handler(handler)
@@ -69,7 +69,6 @@ mod config;
 mod dead_letter;
 mod delivery;
 mod poller;
-mod positions;
 mod produce;
 mod publisher;
 mod ready;
@@ -82,7 +81,6 @@ pub use config::{
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use delivery::KafkaDelivery;
-pub use positions::PositionStore;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::KafkaSource;
 

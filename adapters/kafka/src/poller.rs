@@ -15,7 +15,6 @@ use txinbox::{Headers, Message, Origin, SourceError};
 
 use crate::assignment::Recheck;
 use crate::metrics_names;
-use crate::positions::PositionStore;
 use crate::state::{Item, Shared};
 
 /// How long one `poll` waits; also the longest delay before a settled offset is stored.
@@ -24,7 +23,6 @@ const POLL_INTERVAL: Duration = Duration::from_millis(50);
 /// The consumer's context: rebalance callbacks run in it, on the poller thread.
 pub(crate) struct PollerContext {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) positions: Arc<dyn PositionStore>,
     pub(crate) runtime: tokio::runtime::Handle,
     pub(crate) last_error: Mutex<String>,
     /// The partitions whose lag gauge was last set (zeroed once no longer assigned).

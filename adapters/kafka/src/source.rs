@@ -9,12 +9,11 @@ use async_trait::async_trait;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use tokio::sync::{mpsc, oneshot};
-use txinbox::{Capabilities, IdStrategy, MessageSource, RetryMode, SourceError};
+use txinbox::{Capabilities, ConsumerPositions, IdStrategy, MessageSource, RetryMode, SourceError};
 
 use crate::config::{masked_error, KafkaConfig};
 use crate::delivery::KafkaDelivery;
 use crate::poller::{poll_loop, PollerContext};
-use crate::positions::PositionStore;
 use crate::ready::Ready;
 use crate::state::{Item, Shared, State};
 
@@ -32,8 +31,10 @@ use crate::state::{Item, Shared, State};
 ///   database restore, resume exactly where the database's state ends. Without one: at
 ///   `auto.offset.reset` when the group has no committed offset either, else as
 ///   [`KafkaConfig::on_missing_position`] says (default: hold the partition until a position is
-///   written). The consumer group is recorded with the consumer name on assignment; another
-///   group already recorded for the name stops the source.
+///   written). The positions read are those of the consumer the source is given to: it hands
+///   over its name and store when it is built ([`MessageSource::attach_positions`]), and the
+///   source does not join the group before. The consumer group is recorded with the consumer
+///   name on assignment; another group already recorded for the name stops the source.
 /// - **Rebalances** (eager and cooperative-sticky) run on the poller thread: a revocation stops
 ///   handing out the revoked partitions' messages, waits up to
 ///   [`revoke_timeout`](KafkaConfig::revoke_timeout) for their in-flight messages, stores and
@@ -57,6 +58,9 @@ pub struct KafkaSource {
     rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,
     /// What `rx` held when `receive` last looked, by partition: handed out in turn.
     ready: Ready<Item>,
+    /// Lets the poller thread start polling, once the consumer's positions are attached;
+    /// dropped unsent (close, drop), it lets the thread end without having polled.
+    start_poller: Option<std::sync::mpsc::SyncSender<()>>,
     poller_done: Option<oneshot::Receiver<()>>,
 }
 
@@ -70,12 +74,16 @@ impl fmt::Debug for KafkaSource {
 }
 
 impl KafkaSource {
-    /// Creates the consumer, subscribes and starts the poller thread.
+    /// Creates the consumer, subscribes and starts the poller thread, which polls (joins the
+    /// group) once the source is given to a consumer: [`ConsumerBuilder::build`] hands it the
+    /// consumer's name and store, from which it reads the consumer's positions on assignment.
+    /// To drive the source without a consumer, call
+    /// [`attach_positions`](MessageSource::attach_positions) yourself before `receive`.
     ///
-    /// `positions` is where the consumer's positions are stored: pass its inbox store
-    /// (`inbox.clone()`). Must be called inside a Tokio runtime: position loads during
-    /// rebalances run on it.
-    pub fn new(config: KafkaConfig, positions: impl PositionStore) -> Result<Self, txinbox::Error> {
+    /// Must be called inside a Tokio runtime: position loads during rebalances run on it.
+    ///
+    /// [`ConsumerBuilder::build`]: txinbox::ConsumerBuilder::build
+    pub fn new(config: KafkaConfig) -> Result<Self, txinbox::Error> {
         config.validate().map_err(txinbox::Error::Config)?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             txinbox::Error::Config("KafkaSource::new must be called inside a Tokio runtime".into())
@@ -89,16 +97,16 @@ impl KafkaSource {
         })?;
         let shared = Arc::new(Shared {
             config: config.clone(),
-            state: Mutex::new(State::new(&config.consumer_name)),
+            state: Mutex::new(State::new()),
             settled: Condvar::new(),
             stop: AtomicBool::new(false),
             producer,
             fatal: Mutex::new(None),
             health: OnceLock::new(),
+            positions: OnceLock::new(),
         });
         let context = PollerContext {
             shared: shared.clone(),
-            positions: Arc::new(positions),
             runtime,
             last_error: Mutex::new(String::new()),
             lag_reported: Mutex::new(Vec::new()),
@@ -117,6 +125,7 @@ impl KafkaSource {
             .map_err(|e| txinbox::Error::Config(format!("subscribing to {topics:?} failed: {e}")))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = oneshot::channel();
+        let (start_tx, start_rx) = std::sync::mpsc::sync_channel(1);
         let poller_shared = shared.clone();
         static POLLERS: AtomicU64 = AtomicU64::new(0);
         std::thread::Builder::new()
@@ -125,7 +134,11 @@ impl KafkaSource {
                 POLLERS.fetch_add(1, Ordering::Relaxed)
             ))
             .spawn(move || {
-                poll_loop(consumer, &poller_shared, &tx);
+                // Nothing is polled before the consumer's positions are attached: an
+                // assignment starts each partition at the consumer's database position.
+                if start_rx.recv().is_ok() {
+                    poll_loop(consumer, &poller_shared, &tx);
+                }
                 let _ = done_tx.send(());
             })
             .map_err(|e| txinbox::Error::Config(format!("starting the poller thread failed: {e}")))?;
@@ -133,6 +146,7 @@ impl KafkaSource {
             shared,
             rx,
             ready: Ready::default(),
+            start_poller: Some(start_tx),
             poller_done: Some(done_rx),
         })
     }
@@ -151,6 +165,13 @@ impl MessageSource for KafkaSource {
     type Delivery = KafkaDelivery;
 
     async fn receive(&mut self) -> Result<Option<KafkaDelivery>, SourceError> {
+        if self.shared.positions.get().is_none() {
+            return Err(SourceError::fatal(
+                "the Kafka source has no consumer to read positions for: give it to \
+                 txinbox::Consumer::builder(..).source(..), whose build attaches the consumer's \
+                 name and store, or call MessageSource::attach_positions before receive",
+            ));
+        }
         loop {
             // Everything the poller handed over so far goes into per-partition queues, which
             // are served in turn (see `ready`): one partition's backlog must not take every
@@ -216,13 +237,31 @@ impl MessageSource for KafkaSource {
         }
     }
 
-    /// [`KafkaConfig::new`]'s `consumer_name`: the consumer refuses to build under another.
-    fn positions_consumer(&self) -> Option<&str> {
-        Some(&self.shared.config.consumer_name)
+    /// Takes the consumer's name and store: partitions start at this consumer's database
+    /// positions, its name labels the metrics and dead letters. The poller starts polling
+    /// (joins the group) now. Only the first call counts.
+    fn attach_positions(&mut self, positions: ConsumerPositions) {
+        let name: Arc<str> = positions.consumer().into();
+        if let Err(refused) = self.shared.positions.set(positions) {
+            if refused.consumer() != self.shared.consumer_name() {
+                tracing::warn!(
+                    attached = self.shared.consumer_name(),
+                    refused = refused.consumer(),
+                    "the Kafka source already reads another consumer's positions; ignoring the second"
+                );
+            }
+            return;
+        }
+        self.shared.lock().consumer = name;
+        if let Some(start) = self.start_poller.take() {
+            let _ = start.send(());
+        }
     }
 
     async fn close(mut self) -> Result<(), SourceError> {
         self.shared.stop.store(true, Ordering::SeqCst);
+        // Never attached: the poller ends without having polled.
+        drop(self.start_poller.take());
         let timeout = self.shared.config.close_timeout;
         if let Some(done) = self.poller_done.take() {
             if tokio::time::timeout(timeout, done).await.is_err() {

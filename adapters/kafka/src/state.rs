@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use rdkafka::producer::FutureProducer;
-use txinbox::Message;
+use txinbox::{ConsumerPositions, Message};
 
 use crate::config::KafkaConfig;
 use crate::metrics_names;
@@ -27,21 +27,26 @@ pub(crate) struct Shared {
     pub(crate) fatal: Mutex<Option<String>>,
     /// Where assignments and the broker connection are reported, once the consumer attached it.
     pub(crate) health: OnceLock<txinbox::health::SourceHealth>,
+    /// The consumer's name and the store of its positions, once the consumer attached them
+    /// ([`MessageSource::attach_positions`](txinbox::MessageSource::attach_positions)). The
+    /// poller does not poll before: no partition is assigned without them.
+    pub(crate) positions: OnceLock<ConsumerPositions>,
 }
 
 pub(crate) struct State {
     pub(crate) partitions: HashMap<Arc<str>, HashMap<i32, Partition>>,
     pub(crate) next_epoch: u64,
-    /// The consumer name (a label of the blocked-partitions gauge).
+    /// The consumer name (a label of the blocked-partitions and lag gauges), set when the
+    /// consumer attaches its positions.
     pub(crate) consumer: Arc<str>,
 }
 
 impl State {
-    pub(crate) fn new(consumer: &str) -> Self {
+    pub(crate) fn new() -> Self {
         State {
             partitions: HashMap::new(),
             next_epoch: 0,
-            consumer: consumer.into(),
+            consumer: "".into(),
         }
     }
 
@@ -114,6 +119,12 @@ impl Shared {
         // A panic while holding the lock cannot leave the bookkeeping half-updated in a way
         // that matters for safety: offsets only move forward on settle.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The consumer's name: the one whose positions the source reads ("" before the consumer
+    /// attached them, when nothing has been received yet).
+    pub(crate) fn consumer_name(&self) -> &str {
+        self.positions.get().map_or("", ConsumerPositions::consumer)
     }
 
     pub(crate) fn stopping(&self) -> bool {

@@ -9,7 +9,6 @@
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
@@ -17,7 +16,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientConfig;
 use txinbox::{async_trait, Headers, Message, Origin, StoreError};
-use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, MissingPosition, PositionStore};
+use txinbox::{ConsumerPositions, MessageSource as _, PositionStore};
+use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, MissingPosition};
 use txinbox_testing::conformance::{publisher, source};
 
 /// librdkafka's mock cluster on a thread of its own (it is `!Send`); it stops when dropped.
@@ -112,9 +112,10 @@ fn read_all(brokers: &str, topic: &str, partitions: i32, n: usize, within: Durat
 /// No database: the source reads no positions.
 struct NoPositions;
 
+#[async_trait]
 impl PositionStore for NoPositions {
-    fn load<'a>(&'a self, _: &'a str, _: &'a str) -> BoxFuture<'a, Result<Vec<(String, i64)>, StoreError>> {
-        Box::pin(async { Ok(Vec::new()) })
+    async fn load(&self, _: &str, _: &str) -> Result<Vec<(String, i64)>, StoreError> {
+        Ok(Vec::new())
     }
 }
 
@@ -183,7 +184,7 @@ impl source::Harness for SourceHarness {
     }
 
     async fn open(&self) -> KafkaSource {
-        let config = KafkaConfig::new(&self.mock.bootstrap, format!("g-{}", self.topic), "conformance")
+        let config = KafkaConfig::new(&self.mock.bootstrap, format!("g-{}", self.topic))
             .topic(&self.topic)
             .on_missing_position(MissingPosition::AdoptGroupOffset)
             .set("session.timeout.ms", "6000")
@@ -191,7 +192,11 @@ impl source::Harness for SourceHarness {
             .set("auto.commit.interval.ms", "200")
             .revoke_timeout(Duration::from_secs(2))
             .close_timeout(Duration::from_secs(15));
-        KafkaSource::new(config, NoPositions).expect("kafka source")
+        let mut source = KafkaSource::new(config).expect("kafka source");
+        // No consumer here: the suite drives the source itself, so it hands over positions
+        // that are always empty (the group's offsets decide, `AdoptGroupOffset`).
+        source.attach_positions(ConsumerPositions::new("conformance", NoPositions));
+        source
     }
 
     async fn dead_letters(&self, expected: usize, within: Duration) -> Option<Vec<Message>> {

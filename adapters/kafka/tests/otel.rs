@@ -118,11 +118,11 @@ async fn a_producer_trace_runs_through_the_consumer_and_the_relayed_record() {
         .map_err(|(e, _)| e)
         .expect("produce");
 
-    let config = KafkaConfig::new(&brokers, "g-otel", "otel")
+    let config = KafkaConfig::new(&brokers, "g-otel")
         .topic("orders")
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500");
-    let source = KafkaSource::new(config, db.inbox()).expect("kafka source");
+    let source = KafkaSource::new(config).expect("kafka source");
     let consumer = txinbox::Consumer::builder("otel")
         .source(source)
         .inbox(db.inbox())

@@ -3,9 +3,7 @@
 //!
 //! Needs no broker and no database: nothing connects.
 
-use futures::future::BoxFuture;
-use txinbox::StoreError;
-use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, PositionStore};
+use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource};
 
 const SECRET: &str = "s3cr3t-XYZ";
 
@@ -25,7 +23,7 @@ fn assert_hidden(what: &str, shown: &str) {
 }
 
 fn config_with_secrets() -> KafkaConfig {
-    let mut config = KafkaConfig::new("127.0.0.1:9092", "payments", "payments-service").topic("deposits");
+    let mut config = KafkaConfig::new("127.0.0.1:9092", "payments").topic("deposits");
     for key in SECRET_KEYS {
         config = config.set(*key, SECRET).set_producer(*key, SECRET);
     }
@@ -97,30 +95,21 @@ fn raw_librdkafka_errors_quote_the_value_so_the_wrapping_must_mask_it() {
     assert!(e.to_string().contains(SECRET), "{e}");
 }
 
-/// No positions: the source is never assigned in these tests.
-struct NoPositions;
-
-impl PositionStore for NoPositions {
-    fn load<'a>(&'a self, _: &'a str, _: &'a str) -> BoxFuture<'a, Result<Vec<(String, i64)>, StoreError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-}
-
 #[tokio::test]
 async fn source_creation_errors_mask_secrets() {
     let mut checked = 0;
     for key in SECRET_KEYS {
         // Consumer side, then dead-letter producer side.
         for config in [
-            KafkaConfig::new("127.0.0.1:9092", "g", "c")
+            KafkaConfig::new("127.0.0.1:9092", "g")
                 .topic("t")
                 .set(*key, SECRET),
-            KafkaConfig::new("127.0.0.1:9092", "g", "c")
+            KafkaConfig::new("127.0.0.1:9092", "g")
                 .topic("t")
                 .set_producer(*key, SECRET),
         ] {
             assert_hidden("KafkaConfig {:?}", &format!("{config:?}"));
-            match KafkaSource::new(config, NoPositions) {
+            match KafkaSource::new(config) {
                 Ok(source) => {
                     assert_hidden("KafkaSource {:?}", &format!("{source:?}"));
                     drop(source);

@@ -216,7 +216,7 @@ async fn tansu_lag_and_health_are_reported() {
     let inbox = db.inbox();
     let config = kafka_config(&brokers, &format!("g-{topic}"), &topic).set("statistics.interval.ms", "200");
     let consumer = txinbox::Consumer::builder(CONSUMER)
-        .source(txinbox_kafka::KafkaSource::new(config, inbox.clone()).unwrap())
+        .source(txinbox_kafka::KafkaSource::new(config).unwrap())
         .inbox(inbox)
         .handler(DepositHandler::new(1))
         .concurrency(4)

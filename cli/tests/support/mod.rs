@@ -303,7 +303,7 @@ pub struct Running {
 
 impl Running {
     pub fn start(db: &TestDb, brokers: &str, consumer: &str, topic: &str) -> Running {
-        let config = KafkaConfig::new(brokers, consumer, consumer)
+        let config = KafkaConfig::new(brokers, consumer)
             .topic(topic)
             .set("session.timeout.ms", "6000")
             .set("heartbeat.interval.ms", "500")
@@ -312,7 +312,7 @@ impl Running {
             .revoke_timeout(Duration::from_secs(5))
             .close_timeout(Duration::from_secs(15));
         let inbox = txinbox::PostgresInbox::new(db.pool.clone());
-        let source = KafkaSource::new(config, inbox.clone()).expect("kafka source");
+        let source = KafkaSource::new(config).expect("kafka source");
         let consumer = txinbox::Consumer::builder(consumer)
             .source(source)
             .inbox(inbox)

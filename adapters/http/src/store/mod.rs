@@ -56,7 +56,9 @@ pub struct Response<'a> {
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
-    /// Waited longer than the lock wait for the key's row: another request holds it (409).
+    /// Lost a lock conflict ([`txinbox::is_lock_conflict`]): waited longer than the lock wait
+    /// for the key's row (another request holds it), a deadlock or a serialization failure
+    /// (409, retry later).
     LockWait,
     /// Unreachable, overloaded, shutting down, a lost connection, SQLite busy (503).
     Unavailable,

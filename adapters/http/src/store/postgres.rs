@@ -130,7 +130,13 @@ pub(crate) async fn store(
     Ok(row.is_some())
 }
 
+/// How a PostgreSQL error answers the client. A lost lock conflict (lock wait, deadlock,
+/// serialization failure) is decided by [`txinbox::is_lock_conflict`], as for the inbox: the
+/// database is fine and a retry can succeed, so it is not reported as an outage.
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
+    if txinbox::is_lock_conflict(e) {
+        return Failure::LockWait;
+    }
     match e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
@@ -139,14 +145,11 @@ pub(crate) fn classify(e: &sqlx::Error) -> Failure {
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Protocol(_) => Failure::Unavailable,
         sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some("55P03") => Failure::LockWait,
             Some("25P02") => Failure::Aborted,
             Some(code)
                 if code.starts_with("08") // connection exceptions
                     || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
                     || code == "53300" // too_many_connections
-                    || code == "40001" // serialization failure
-                    || code == "40P01" // deadlock
                     || code == "57014" // query_canceled (statement_timeout)
                     || code == "25P03" =>
             // idle_in_transaction_session_timeout
@@ -184,5 +187,37 @@ pub(crate) async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx
         if deleted < batch.max(1) as u64 {
             return Ok(total);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real PostgreSQL error with SQLSTATE `code`.
+    async fn error_with(pool: &PgPool, code: &str) -> sqlx::Error {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DO $$ BEGIN RAISE EXCEPTION 'test' USING ERRCODE = '{code}'; END $$"
+        )))
+        .execute(pool)
+        .await
+        .expect_err("raised")
+    }
+
+    /// A lost lock conflict is contention, as txinbox's stores see it, not an unavailable
+    /// database: a deadlock or a serialization failure answers like a lock wait (409, retry
+    /// later), never "the database is unavailable" with a WARN for an outage.
+    #[tokio::test]
+    async fn lock_conflicts_are_contention_not_an_outage() {
+        let url = std::env::var("DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+        let pool = PgPool::connect(&url).await.expect("DATABASE_URL");
+        for code in ["40001", "40P01", "55P03"] {
+            let e = error_with(&pool, code).await;
+            assert_eq!(classify(&e), Failure::LockWait, "{code}");
+        }
+        assert_eq!(classify(&error_with(&pool, "57P01").await), Failure::Unavailable);
+        assert_eq!(classify(&error_with(&pool, "25P02").await), Failure::Aborted);
+        assert_eq!(classify(&error_with(&pool, "23505").await), Failure::Fatal);
     }
 }

@@ -385,7 +385,7 @@ impl Producer {
 
 /// Consumer configuration used by the tests: short session timeout, quick commits.
 pub fn kafka_config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
-    KafkaConfig::new(brokers, group, CONSUMER)
+    KafkaConfig::new(brokers, group)
         .topic(topic)
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
@@ -404,7 +404,7 @@ impl Running {
     /// Starts a consumer with `config` and `handler` on `db`.
     pub fn start(db: &TestDb, config: KafkaConfig, handler: DepositHandler) -> Running {
         let inbox = db.inbox();
-        let source = KafkaSource::new(config, inbox.clone()).expect("kafka source");
+        let source = KafkaSource::new(config).expect("kafka source");
         let consumer = txinbox::Consumer::builder(CONSUMER)
             .source(source)
             .inbox(inbox)

@@ -36,7 +36,7 @@ async fn lag_and_assignment_are_reported() {
 
     let inbox = db.inbox();
     let config = kafka_config(&mock.bootstrap, "g-health-lag", &topic).set("statistics.interval.ms", "200");
-    let source = KafkaSource::new(config, inbox.clone()).unwrap();
+    let source = KafkaSource::new(config).unwrap();
     let consumer = txinbox::Consumer::builder(CONSUMER)
         .source(source)
         .inbox(inbox)

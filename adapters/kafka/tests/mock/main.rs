@@ -679,7 +679,8 @@ async fn dropped_delivery_leaves_its_offset_unstored() {
     producer.deposits(&topic, 1, "a", 5, 0).await;
 
     let config = kafka_config(&mock.bootstrap, "g-dropped", &topic);
-    let mut source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
+    let mut source = txinbox_kafka::KafkaSource::new(config).unwrap();
+    source.attach_positions(txinbox::ConsumerPositions::new(CONSUMER, db.inbox()));
     let mut deliveries = Vec::new();
     for _ in 0..5 {
         let d = tokio::time::timeout(Duration::from_secs(30), source.receive())
@@ -747,7 +748,8 @@ async fn backlogged_partitions_are_handed_out_in_turn() {
     producer.flush(Duration::from_secs(30)).unwrap();
 
     let config = kafka_config(&mock.bootstrap, "g-fairness", &topic).max_buffered_per_partition(10_000);
-    let mut source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
+    let mut source = txinbox_kafka::KafkaSource::new(config).unwrap();
+    source.attach_positions(txinbox::ConsumerPositions::new(CONSUMER, db.inbox()));
     let first = tokio::time::timeout(Duration::from_secs(30), source.receive())
         .await
         .expect("a delivery within 30 s")
@@ -769,36 +771,43 @@ async fn backlogged_partitions_are_handed_out_in_turn() {
     source.close().await.unwrap();
 }
 
-/// The source reads positions under `KafkaConfig`'s consumer name and the consumer writes them
-/// under its own: two names would mean positions never found, and every restart starting from
-/// the group's offsets. The consumer refuses to build instead.
+/// The source reads the positions of the consumer it is given to, and no other's: the
+/// consumer hands over its name and store when it is built. Two consumers' positions in one
+/// database, at different offsets: the source starts where its own consumer's says. Without
+/// the hand-over it would read none (and start at the beginning), or refuse to receive.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_consumer_under_another_name_than_its_kafka_source_refuses_to_build() {
-    let (mock, topic) = setup_topic("names", 1);
+async fn the_source_starts_at_the_positions_of_the_consumer_it_is_given_to() {
+    let (mock, topic) = setup_topic("handover", 1);
     let db = TestDb::new().await;
-    let config = txinbox_kafka::KafkaConfig::new(mock.bootstrap.clone(), "g-names", "payments").topic(topic);
-    let source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
-    let built = txinbox::Consumer::builder("payments-v2")
-        .source(source)
-        .inbox(db.inbox())
-        .handler(DepositHandler::new(1))
-        .build();
-    let Err(error) = built else {
-        panic!("a consumer under another name must not build");
-    };
-    let error = error.to_string();
-    assert!(
-        error.contains("\"payments\"") && error.contains("\"payments-v2\"") && error.contains("same name"),
-        "the error names both and says what to do: {error}"
+    Producer::new(&mock.bootstrap)
+        .deposits(&topic, 1, "h", 6, 0)
+        .await;
+    for (consumer, next) in [(CONSUMER, 4_i64), ("another-service", 2)] {
+        sqlx::query(
+            "INSERT INTO txinbox.positions (consumer, source, lane, next_position) VALUES ($1, $2, '0', $3)",
+        )
+        .bind(consumer)
+        .bind(&topic)
+        .bind(next)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let running = Running::start(
+        &db,
+        kafka_config(&mock.bootstrap, "g-handover", &topic),
+        DepositHandler::new(1),
     );
-
-    let config =
-        txinbox_kafka::KafkaConfig::new(mock.bootstrap.clone(), "g-names", "payments").topic("names");
-    let source = txinbox_kafka::KafkaSource::new(config, db.inbox()).unwrap();
-    let consumer = txinbox::Consumer::builder("payments")
-        .source(source)
-        .inbox(db.inbox())
-        .handler(DepositHandler::new(1))
-        .build();
-    assert!(consumer.is_ok(), "the same name builds");
+    db.wait_applied(2, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    running.stop().await;
+    let offsets: Vec<i64> = sqlx::query_scalar("SELECT off FROM effects ORDER BY off")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        offsets,
+        [4, 5],
+        "started at consumer {CONSUMER}'s position, not another consumer's, not the beginning"
+    );
 }

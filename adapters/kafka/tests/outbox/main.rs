@@ -216,14 +216,14 @@ impl Running {
         handler: H,
     ) -> Running {
         let inbox = db.inbox();
-        let config = KafkaConfig::new(brokers, format!("g-{name}"), name)
+        let config = KafkaConfig::new(brokers, format!("g-{name}"))
             .topic(topic)
             .set("session.timeout.ms", "6000")
             .set("heartbeat.interval.ms", "500")
             .set("auto.commit.interval.ms", "200")
             .revoke_timeout(Duration::from_secs(5))
             .close_timeout(Duration::from_secs(15));
-        let source = KafkaSource::new(config, inbox.clone()).expect("kafka source");
+        let source = KafkaSource::new(config).expect("kafka source");
         let consumer = txinbox::Consumer::builder(name)
             .source(source)
             .inbox(inbox)
