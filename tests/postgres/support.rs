@@ -9,61 +9,26 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
+use sqlx::{Executor, Postgres};
+use txinbox::memory::MemoryBroker;
+use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, RetryPolicy};
 
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
+pub use txinbox_testing::database::server_url as admin_url;
+use txinbox_testing::database::TestDatabase;
 
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
 }
 
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-
 impl TestDb {
     pub async fn new(max_connections: u32) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs (a failed test does not drop its own). Only those
-                // nobody is connected to: another test process may be using its own right now.
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_t\\_%'
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
+        let db = TestDatabase::builder("txinbox_t")
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(2))
+            .create()
             .await;
-        conn.execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await
-        .unwrap();
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        Self::on(admin.database(&name), max_connections).await
+        Self::with_tables(db.pool().clone()).await
     }
 
     pub async fn on(options: PgConnectOptions, max_connections: u32) -> TestDb {
@@ -74,6 +39,10 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         txinbox::migrate(&pool).await.expect("migrate");
+        Self::with_tables(pool).await
+    }
+
+    async fn with_tables(pool: PgPool) -> TestDb {
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
              CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
@@ -99,6 +68,26 @@ impl TestDb {
     pub async fn scalar(&self, sql: &'static str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
+}
+
+pub fn fast_retries() -> RetryPolicy {
+    RetryPolicy::default()
+        .initial_delay(Duration::from_millis(5))
+        .max_delay(Duration::from_millis(20))
+}
+
+/// Runs a consumer on `broker` until the broker is drained (the broker must be closed).
+pub async fn drain(name: &str, db: &TestDb, broker: &MemoryBroker, handler: DepositHandler) {
+    Consumer::builder(name)
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler)
+        .retry_policy(fast_retries())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
 }
 
 /// A deposit event as the tests publish it.

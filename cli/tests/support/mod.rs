@@ -12,13 +12,15 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use txinbox::sqlx::{self, ConnectOptions, Executor, Postgres};
+use txinbox::sqlx::postgres::PgPool;
+use txinbox::sqlx::{self, Executor, Postgres};
 use txinbox::{async_trait, Context, Handler, HandlerError, Message};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_testing::database::TestDatabase;
 
+/// The PostgreSQL server the tests' databases are made on (`DATABASE_URL`).
 pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    txinbox_testing::database::server_url()
 }
 
 /// The Kafka brokers, or `None` (test skipped) outside CI. Under CI a missing broker fails.
@@ -37,7 +39,6 @@ pub fn brokers() -> Option<String> {
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 fn unique(prefix: &str) -> String {
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
@@ -61,52 +62,15 @@ impl TestDb {
 
     /// A new database; `setup`: migrate txinbox and create the demo tables.
     pub async fn create(setup: bool) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = unique("txinbox_cli_t");
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs that nobody is connected to (a concurrent run
-                // of these tests keeps its own connected).
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_cli\\_t\\_%'
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
-            .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        let pool = PgPoolOptions::new()
+        let db = TestDatabase::builder("txinbox_cli_t")
             .max_connections(12)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(
-                admin.clone().database(&name),
-            ))
-            .await
-            .expect("connect to the test database");
-        let base = admin_url();
-        let scheme_end = base.find("://").map_or(0, |i| i + 3);
-        let url = match base[scheme_end..].find('/') {
-            Some(i) => format!("{}/{name}", &base[..scheme_end + i]),
-            None => format!("{base}/{name}"),
-        };
+            .migrate(setup)
+            .create()
+            .await;
+        let (pool, url) = (db.pool().clone(), db.url().to_owned());
         if !setup {
             return TestDb { pool, url };
         }
-        txinbox::migrate(&pool).await.expect("migrate");
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
              CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);

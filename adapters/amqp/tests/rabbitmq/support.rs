@@ -13,20 +13,17 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::postgres::PgPool;
+use sqlx::{Executor, Postgres};
 use txinbox::{
     async_trait, Capabilities, Consumer, Context, Delivery, Handler, HandlerError, Lane, Message,
     MessageSource, RetryPolicy, SettleError, Settlement, SourceError,
 };
 use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
+use txinbox_testing::database::TestDatabase;
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
@@ -61,59 +58,27 @@ pub async fn exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
-    name: String,
+    db: TestDatabase,
 }
-
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 impl TestDb {
     pub async fn new(max_connections: u32) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_amqp_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs of this suite (a failed test keeps its own).
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database WHERE datname LIKE 'txinbox\\_amqp\\_t\\_%' AND datname NOT LIKE $1",
-                )
-                .bind(format!("txinbox_amqp_t_{}_%", std::process::id()))
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
-                        .await;
-                }
-            })
+        let db = TestDatabase::builder("txinbox_amqp_t")
+            .max_connections(max_connections)
+            .create()
             .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        db.pool()
+            .execute(
+                "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
+                 CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
+                 CREATE INDEX ON effects (message_id);",
+            )
             .await
             .unwrap();
-        let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
-            .await
-            .expect("connect to the test database");
-        txinbox::migrate(&pool).await.expect("migrate");
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
-             CREATE INDEX ON effects (message_id);",
-        )
-        .await
-        .unwrap();
-        TestDb { pool, name }
+        TestDb {
+            pool: db.pool().clone(),
+            db,
+        }
     }
 
     pub fn inbox(&self) -> txinbox::PostgresInbox {
@@ -148,15 +113,8 @@ impl TestDb {
 
     /// Drops the database (at the end of a passing test).
     pub async fn drop_db(self) {
-        self.pool.close().await;
-        let admin: PgConnectOptions = admin_url().parse().unwrap();
-        let mut c = admin.connect().await.unwrap();
-        let _ = c
-            .execute(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            )))
-            .await;
+        drop(self.pool);
+        self.db.drop_database().await;
     }
 }
 

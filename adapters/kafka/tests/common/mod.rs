@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::postgres::PgPool;
+use sqlx::{Executor, Postgres};
 use txinbox::sqlx;
 use txinbox::{async_trait, Context, Handler, HandlerError, Message};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_testing::database::TestDatabase;
 
 pub const CONSUMER: &str = "deposits-service";
 
@@ -29,69 +30,24 @@ pub fn init_tracing() {
         .try_init();
 }
 
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
     pub name: String,
+    database: TestDatabase,
 }
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 impl TestDb {
     pub async fn new() -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_kafka_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs of these tests (a failed test keeps its own), and
-                // only those nobody is connected to: another test process may be using its own.
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_kafka\\_t\\_%' AND datname NOT LIKE $1
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .bind(format!("txinbox_kafka_t_{}_%", std::process::id()))
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
-            .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        Self::open(&name, true).await
+        Self::create("txinbox_kafka_t").await
     }
 
-    /// Connects to an existing test database (`setup`: migrate and create the tables).
-    pub async fn open(name: &str, setup: bool) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(admin.database(name)))
-            .await
-            .expect("connect to the test database");
-        if setup {
-            txinbox::migrate(&pool).await.expect("migrate");
-            pool.execute(
+    /// A new database named `<prefix>_…`, migrated, with the demo tables.
+    pub async fn create(prefix: &str) -> TestDb {
+        let database = TestDatabase::builder(prefix).max_connections(10).create().await;
+        database
+            .pool()
+            .execute(
                 "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
                  CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
                                        topic text NOT NULL, part integer NOT NULL, off bigint NOT NULL,
@@ -99,11 +55,31 @@ impl TestDb {
             )
             .await
             .unwrap();
-        }
+        Self::from(database)
+    }
+
+    /// Connects to a database [`create`](Self::create) made (in a parent process).
+    pub async fn open(name: &str) -> TestDb {
+        Self::from(
+            TestDatabase::builder("txinbox_kafka_t")
+                .max_connections(10)
+                .open(name)
+                .await,
+        )
+    }
+
+    fn from(database: TestDatabase) -> TestDb {
         TestDb {
-            pool,
-            name: name.to_owned(),
+            pool: database.pool().clone(),
+            name: database.name().to_owned(),
+            database,
         }
+    }
+
+    /// Drops the database (at the end of a passing test).
+    pub async fn drop_db(self) {
+        drop(self.pool);
+        self.database.drop_database().await;
     }
 
     pub fn inbox(&self) -> txinbox::PostgresInbox {

@@ -353,7 +353,7 @@ async fn crash_child() {
         return;
     };
     init_tracing();
-    let db = TestDb::open(&db, false).await;
+    let db = TestDb::open(&db).await;
     // No periodic group commits: the kill lands after database commits, before any offset commit.
     let config = kafka_config(&brokers, "g-crash", "deposits").set("auto.commit.interval.ms", "3600000");
     let _running = Running::start(
