@@ -4,8 +4,12 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::*;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, DeadLetterReason, HandlerError};
+
+use super::support::{deposit, fast_retries, DepositHandler, TestDb};
 
 /// Makes PostgreSQL raise `code` in the handler's transaction, as a real lock conflict would.
 async fn raise(conn: &mut sqlx::PgConnection, code: &str) -> Result<(), sqlx::Error> {

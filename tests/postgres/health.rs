@@ -3,14 +3,15 @@
 //! and what a source reports (connection, assignment) shows up in the report.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use metrics_util::debugging::DebugValue;
 use txinbox::health::{BrokerStatus, Health, HealthReport, RunState, SourceHealth};
-use txinbox::memory::{MemoryDelivery, MemorySource};
-use txinbox::{Capabilities, MessageSource, SourceError};
+use txinbox::memory::{MemoryBroker, MemoryDelivery, MemorySource};
+use txinbox::{Capabilities, Consumer, MessageSource, SourceError};
 
 use super::metrics::snapshotter;
-use super::*;
+use super::support::{deposit, DepositHandler, PrivateCluster, TestDb};
 
 /// Polls `health` until `pred` holds, or panics with the last report after `within`.
 async fn wait_for(health: &Health, within: Duration, what: &str, pred: impl Fn(&HealthReport) -> bool) {

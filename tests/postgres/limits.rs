@@ -2,7 +2,11 @@
 //! dead-lettered without running the handler, nothing of it beyond the limits is copied, and
 //! the dead letter stores at most the configured number of bytes.
 
-use super::*;
+use bytes::Bytes;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, DeadLetterReason, Headers, IdStrategy};
+
+use super::support::{deposit, drain, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn messages_without_a_usable_id_or_too_large_are_dead_lettered_not_processed() {

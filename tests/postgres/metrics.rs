@@ -1,10 +1,13 @@
 //! Every outcome is counted under the `consumer` label, through the `metrics` facade.
 
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, HandlerError};
 
-use super::*;
+use super::support::{deposit, drain, DepositHandler, TestDb};
 
 pub(crate) fn snapshotter() -> &'static Snapshotter {
     static S: OnceLock<Snapshotter> = OnceLock::new();

@@ -3,14 +3,17 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context as LayerContext, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, HandlerError};
 
-use super::*;
+use super::support::{deposit, drain, fast_retries, DepositHandler, TestDb};
 
 type Fields = HashMap<String, String>;
 

@@ -2,9 +2,14 @@
 //! outage; a handler cannot ask to be retried after a day; settings that break durability
 //! are reported when the consumer starts.
 
+use std::time::Duration;
+
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, Error, HandlerError};
+
 use super::metrics::{counter, snapshotter};
 use super::spans::{capture, warnings_of};
-use super::*;
+use super::support::{deposit, drain, DepositHandler, TestDb};
 
 /// A consumer `name` on a pool of 2 whose connections the test holds (returned: drop them to
 /// free the pool), with one deposit to apply.
