@@ -6,16 +6,16 @@ use std::time::{Duration, Instant};
 use txinbox::memory::MemoryBroker;
 use txinbox::Consumer;
 
-use super::support::{deposit, drain, DepositHandler, PrivateCluster, TestDb};
+use super::support::{deposit_in_lane, drain, DepositHandler, PrivateCluster, TestDb};
 
 #[tokio::test]
 async fn a_crash_mid_handler_leaves_nothing_and_the_redelivery_applies_once() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let stuck = DepositHandler::default().blocking_forever();
-    let entered = stuck.entered.clone();
+    let entered = stuck.entered();
     let consumer = Consumer::builder("crash")
         .source(broker.source())
         .inbox(db.inbox())
@@ -44,9 +44,9 @@ async fn a_crash_mid_handler_leaves_nothing_and_the_redelivery_applies_once() {
 async fn nothing_committed_survives_a_crash_before_the_redelivery() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     let stuck = DepositHandler::default().blocking_forever();
-    let entered = stuck.entered.clone();
+    let entered = stuck.entered();
     let consumer = Consumer::builder("crash2")
         .source(broker.source())
         .inbox(db.inbox())
@@ -91,10 +91,10 @@ async fn database_outage_acks_nothing_and_loses_nothing() {
         let broker = broker.clone();
         tokio::spawn(async move {
             for i in 0..total {
-                broker.publish(format!("evt-{i}"), deposit("alice", 1, "-", i));
+                broker.publish(format!("evt-{i}"), deposit_in_lane("alice", 1, "-", i));
                 if i % 3 == 0 {
                     // A duplicate of an earlier event, as a producer retry would send.
-                    broker.publish(format!("evt-{}", i / 2), deposit("alice", 1, "-", i / 2));
+                    broker.publish(format!("evt-{}", i / 2), deposit_in_lane("alice", 1, "-", i / 2));
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }

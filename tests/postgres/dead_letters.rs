@@ -5,13 +5,13 @@ use sqlx::Postgres;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, Context, DeadLetterReason, Handler, HandlerError, Message};
 
-use super::support::{deposit, drain, fast_retries, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, drain, fast_retries, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn exhausted_attempts_are_dead_lettered() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let handler = DepositHandler::failing(|_, _| Some(HandlerError::transient("always down")));
     Consumer::builder("exhausted")
@@ -41,8 +41,8 @@ async fn exhausted_attempts_are_dead_lettered() {
 async fn permanent_failure_is_dead_lettered_and_its_lane_moves_on() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish_in_lane("l", "poison", deposit("alice", 1, "l", 0));
-    broker.publish_in_lane("l", "next", deposit("alice", 5, "l", 1));
+    broker.publish_in_lane("l", "poison", deposit_in_lane("alice", 1, "l", 0));
+    broker.publish_in_lane("l", "next", deposit_in_lane("alice", 5, "l", 1));
     broker.publish_in_lane("l", "garbage", "{not json");
     broker.close();
     let handler = DepositHandler::failing(|m, _| {
@@ -79,7 +79,7 @@ async fn permanent_failure_is_dead_lettered_and_its_lane_moves_on() {
     // was never confirmed) goes to the broker's dead-letter destination again, with its
     // recorded reason, without running the handler or recording a second dead letter.
     let again = MemoryBroker::new("payments");
-    again.publish_in_lane("l", "poison", deposit("alice", 1, "l", 0));
+    again.publish_in_lane("l", "poison", deposit_in_lane("alice", 1, "l", 0));
     again.close();
     let calls = handler.calls();
     drain("poison", &db, &again, handler.clone()).await;
@@ -118,8 +118,8 @@ async fn a_constraint_failing_at_commit_is_counted_and_dead_lettered_not_fatal()
         }
     }
     let broker = MemoryBroker::new("payments");
-    broker.publish_in_lane("l", "orphan", deposit("alice", 1, "l", 0));
-    broker.publish_in_lane("l", "fine", deposit("alice", 5, "l", 1));
+    broker.publish_in_lane("l", "orphan", deposit_in_lane("alice", 1, "l", 0));
+    broker.publish_in_lane("l", "fine", deposit_in_lane("alice", 5, "l", 1));
     broker.close();
     Consumer::builder("deferred")
         .source(broker.source())

@@ -6,7 +6,7 @@ use std::time::Duration;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, DeadLetterReason};
 
-use super::support::{deposit, drain, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_concurrent_deliveries_of_one_id_apply_once() {
@@ -17,7 +17,7 @@ async fn twenty_concurrent_deliveries_of_one_id_apply_once() {
     let brokers: Vec<MemoryBroker> = (0..20)
         .map(|_| {
             let b = MemoryBroker::new("payments");
-            b.publish("evt-1", deposit("alice", 10, "-", 0));
+            b.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
             b.close();
             b
         })
@@ -50,8 +50,8 @@ async fn twenty_concurrent_deliveries_of_one_id_apply_once() {
 async fn same_id_with_another_payload_is_a_conflict_and_dead_lettered() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish_in_lane("l", "evt-1", deposit("alice", 10, "l", 0));
-    broker.publish_in_lane("l", "evt-1", deposit("alice", 99, "l", 1));
+    broker.publish_in_lane("l", "evt-1", deposit_in_lane("alice", 10, "l", 0));
+    broker.publish_in_lane("l", "evt-1", deposit_in_lane("alice", 99, "l", 1));
     broker.close();
     let handler = DepositHandler::default();
     drain("conflicts", &db, &broker, handler.clone()).await;
@@ -66,7 +66,7 @@ async fn same_id_with_another_payload_is_a_conflict_and_dead_lettered() {
     assert_eq!(reason, "conflict");
     assert_eq!(
         payload,
-        deposit("alice", 99, "l", 1).into_bytes(),
+        deposit_in_lane("alice", 99, "l", 1).into_bytes(),
         "the conflicting payload is kept"
     );
     let dead = broker.dead_letters();

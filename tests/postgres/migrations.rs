@@ -4,7 +4,7 @@
 use txinbox::memory::MemoryBroker;
 use txinbox::Consumer;
 
-use super::support::{deposit, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn fresh_install_rerun_and_coexistence_with_the_applications_migrations() {
@@ -44,7 +44,7 @@ async fn a_missing_schema_stops_the_consumer_with_a_clear_error() {
         .await
         .unwrap();
     let broker = MemoryBroker::new("q");
-    broker.publish("evt-1", deposit("alice", 1, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 1, "-", 0));
     let err = Consumer::builder("nomigrate")
         .source(broker.source())
         .inbox(db.inbox())

@@ -9,7 +9,7 @@ use std::time::Duration;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, HandlerError};
 
-use super::support::{deposit, drain, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ten_thousand_messages_with_duplicates_in_eight_lanes_apply_once_in_order() {
@@ -25,7 +25,7 @@ async fn ten_thousand_messages_with_duplicates_in_eight_lanes_apply_once_in_orde
         let account = format!("acct-{}", rng.u32(0..50));
         let amount = rng.i64(1..1000);
         *expected.entry(account.clone()).or_default() += amount;
-        let payload = deposit(&account, amount, &lane, i);
+        let payload = deposit_in_lane(&account, amount, &lane, i);
         broker.publish_in_lane(&lane, format!("evt-{i}"), payload.clone());
         published.push((lane.clone(), format!("evt-{i}"), payload.clone()));
         // 30% of the stream are producer-side duplicates, re-sent shortly after.
@@ -96,8 +96,8 @@ async fn in_place_retries_hold_the_lane_and_keep_order() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     broker.set_retry_mode(txinbox::RetryMode::InPlace);
-    broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
-    broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
+    broker.publish_in_lane("p0", "evt-0", deposit_in_lane("alice", 1, "p0", 0));
+    broker.publish_in_lane("p0", "evt-1", deposit_in_lane("alice", 1, "p0", 1));
     broker.close();
     let handler = DepositHandler::failing(|m, attempt| {
         (m.native_id() == Some("evt-0") && attempt < 3).then(|| HandlerError::transient("not yet"))
@@ -109,7 +109,7 @@ async fn in_place_retries_hold_the_lane_and_keep_order() {
         .unwrap();
     assert_eq!(order, ["evt-0", "evt-1"]);
     assert_eq!(broker.stats().retried, 0, "no broker redelivery in place mode");
-    assert_eq!(handler.starts.lock().unwrap()["evt-0"], 3);
+    assert_eq!(handler.start_counts()["evt-0"], 3);
 }
 
 #[tokio::test]
@@ -117,9 +117,9 @@ async fn a_lane_waiting_to_retry_does_not_hold_back_other_lanes() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     broker.set_retry_mode(txinbox::RetryMode::InPlace);
-    broker.publish_in_lane("a", "a-0", deposit("alice", 1, "a", 0));
+    broker.publish_in_lane("a", "a-0", deposit_in_lane("alice", 1, "a", 0));
     for i in 0..5 {
-        broker.publish_in_lane("b", format!("b-{i}"), deposit("bob", 1, "b", i));
+        broker.publish_in_lane("b", format!("b-{i}"), deposit_in_lane("bob", 1, "b", i));
     }
     broker.close();
     let first = Arc::new(AtomicUsize::new(0));

@@ -5,13 +5,13 @@ use sqlx::Postgres;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, Context, Handler, HandlerError, Message};
 
-use super::support::{deposit, drain, fast_retries, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, drain, fast_retries, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn transient_failures_are_retried_and_counted_without_burning_the_key() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let handler = DepositHandler::failing(|_, attempt| {
         (attempt <= 2).then(|| HandlerError::transient(format!("flaky downstream, attempt {attempt}")))
@@ -50,7 +50,7 @@ impl Handler<Postgres> for SwallowsErrors {
 async fn a_handler_that_swallows_a_database_error_is_not_acked_as_processed() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     Consumer::builder("swallow")
         .source(broker.source())

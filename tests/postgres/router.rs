@@ -4,14 +4,14 @@ use bytes::Bytes;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, Headers};
 
-use super::support::{deposit, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn a_router_picks_the_handler_by_type_and_dead_letters_what_it_cannot_route() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     let typed = |t: &str| Headers::new().with("ce_type", t.to_owned());
-    let payload = |amount| Bytes::from(deposit("alice", amount, "-", 0));
+    let payload = |amount| Bytes::from(deposit_in_lane("alice", amount, "-", 0));
     broker.publish_with(None, Some("e1".into()), typed("deposit"), payload(5));
     broker.publish_with(None, Some("e2".into()), typed("refund"), payload(3));
     broker.publish_with(None, Some("e3".into()), typed("mystery"), payload(1));

@@ -6,14 +6,14 @@ use std::time::Duration;
 use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, HandlerError};
 
-use super::support::{deposit, DepositHandler, TestDb};
+use super::support::{deposit_in_lane, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn graceful_shutdown_settles_everything_it_received() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     for i in 0..50u64 {
-        broker.publish(format!("evt-{i}"), deposit("alice", 1, "-", i));
+        broker.publish(format!("evt-{i}"), deposit_in_lane("alice", 1, "-", i));
     }
     let handler = DepositHandler::default().holding(Duration::from_millis(50));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -52,8 +52,8 @@ async fn a_lane_does_not_overtake_a_delivery_left_unsettled_at_shutdown() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     broker.set_retry_mode(txinbox::RetryMode::InPlace);
-    broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
-    broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
+    broker.publish_in_lane("p0", "evt-0", deposit_in_lane("alice", 1, "p0", 0));
+    broker.publish_in_lane("p0", "evt-1", deposit_in_lane("alice", 1, "p0", 1));
     let handler = DepositHandler::failing(|m, _| {
         (m.native_id() == Some("evt-0"))
             .then(|| HandlerError::transient("later").retry_after(Duration::from_secs(30)))

@@ -1,20 +1,17 @@
-//! Shared test support: a fresh database per test, a deposit handler with programmable
-//! failures, and a private PostgreSQL cluster that a test may stop and start.
+//! Shared test support: a fresh database per test with the deposit ledger's tables
+//! (`txinbox_testing`), and a private PostgreSQL cluster that a test may stop and start.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Executor, Postgres};
 use txinbox::memory::MemoryBroker;
-use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, RetryPolicy};
+use txinbox::{Consumer, RetryPolicy};
 
 pub use txinbox_testing::database::server_url as admin_url;
 use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit_in_lane, DepositHandler};
 
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
@@ -43,13 +40,7 @@ impl TestDb {
     }
 
     async fn with_tables(pool: PgPool) -> TestDb {
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
-                                   lane text, idx bigint, amount bigint NOT NULL);",
-        )
-        .await
-        .unwrap();
+        txinbox_testing::ledger::create_tables(&pool).await;
         TestDb { pool }
     }
 
@@ -88,113 +79,6 @@ pub async fn drain(name: &str, db: &TestDb, broker: &MemoryBroker, handler: Depo
         .run()
         .await
         .unwrap();
-}
-
-/// A deposit event as the tests publish it.
-pub fn deposit(account: &str, amount: i64, lane: &str, idx: u64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount},"lane":"{lane}","idx":{idx}}}"#)
-}
-
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-    lane: String,
-    idx: i64,
-}
-
-type FailFn = dyn Fn(&Message, u32) -> Option<HandlerError> + Send + Sync;
-
-/// A non-idempotent handler: `balance += amount`, plus one `effects` row per application.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub calls: Arc<AtomicUsize>,
-    fail: Arc<FailFn>,
-    hold: Duration,
-    /// Per message ID: how many times the handler started on it.
-    pub starts: Arc<Mutex<HashMap<String, u32>>>,
-    pub entered: Arc<tokio::sync::Notify>,
-    block_forever: bool,
-}
-
-impl Default for DepositHandler {
-    fn default() -> Self {
-        DepositHandler {
-            calls: Arc::default(),
-            fail: Arc::new(|_, _| None),
-            hold: Duration::ZERO,
-            starts: Arc::default(),
-            entered: Arc::default(),
-            block_forever: false,
-        }
-    }
-}
-
-impl DepositHandler {
-    /// Fails with whatever `f(message, attempt)` returns.
-    pub fn failing(f: impl Fn(&Message, u32) -> Option<HandlerError> + Send + Sync + 'static) -> Self {
-        DepositHandler {
-            fail: Arc::new(f),
-            ..Default::default()
-        }
-    }
-
-    /// Keeps the transaction open this long after writing the effect.
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-
-    /// Writes the effect, signals `entered`, then never returns (a crash is simulated by
-    /// dropping the consumer).
-    pub fn blocking_forever(mut self) -> Self {
-        self.block_forever = true;
-        self
-    }
-
-    pub fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        *self
-            .starts
-            .lock()
-            .unwrap()
-            .entry(cx.message_id().to_string())
-            .or_default() += 1;
-        if let Some(e) = (self.fail)(msg, cx.attempt()) {
-            return Err(e);
-        }
-        let d: Deposit = msg.json()?;
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, lane, idx, amount) VALUES ($1, $2, $3, $4)")
-            .bind(cx.message_id().as_str())
-            .bind(&d.lane)
-            .bind(d.idx)
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        if self.block_forever {
-            self.entered.notify_one();
-            std::future::pending::<()>().await;
-        }
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
-    }
 }
 
 /// A private PostgreSQL cluster in a temporary directory, so a test can stop and start the

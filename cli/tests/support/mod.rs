@@ -1,6 +1,6 @@
-//! Test support: a fresh database per test, a unique topic per test, a non-idempotent deposit
-//! handler run by a real txinbox consumer on the Kafka adapter, and a runner for the built
-//! `txinbox` binary.
+//! Test support: a fresh database per test, a unique topic per test, the deposit ledger's
+//! handler (`txinbox_testing`) run by a real txinbox consumer on the Kafka or AMQP adapter, and
+//! a runner for the built `txinbox` binary.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -13,10 +13,10 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use txinbox::sqlx::postgres::PgPool;
-use txinbox::sqlx::{self, Executor, Postgres};
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
+use txinbox::sqlx::{self, Executor};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
 use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
 /// The PostgreSQL server the tests' databases are made on (`DATABASE_URL`).
 pub fn admin_url() -> String {
@@ -71,13 +71,7 @@ impl TestDb {
         if !setup {
             return TestDb { pool, url };
         }
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
-             CREATE TABLE blocked (account text PRIMARY KEY);",
-        )
-        .await
-        .unwrap();
+        txinbox_testing::ledger::create_tables(&pool).await;
         TestDb { pool, url }
     }
 
@@ -165,10 +159,6 @@ pub async fn create_topic(brokers: &str, partitions: i32) -> String {
     topic
 }
 
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
 /// A plain rdkafka producer, outside the framework.
 pub struct Producer(FutureProducer);
 
@@ -217,46 +207,10 @@ impl Producer {
     }
 }
 
-/// Balance plus one `effects` row per application; fails permanently for accounts listed in
-/// `blocked` (the "cause" an operator fixes before requeueing).
-#[derive(Clone)]
-pub struct DepositHandler;
-
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        let d: Deposit = msg.json()?;
-        let blocked: Option<i32> = sqlx::query_scalar("SELECT 1 FROM blocked WHERE account = $1")
-            .bind(&d.account)
-            .fetch_optional(cx.db())
-            .await?;
-        if blocked.is_some() {
-            return Err(HandlerError::permanent(format!(
-                "account {} is blocked",
-                d.account
-            )));
-        }
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
-            .bind(cx.message_id().as_str())
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        Ok(())
-    }
+/// The ledger's deposit handler, failing permanently for accounts listed in `blocked` (the
+/// "cause" an operator fixes before requeueing).
+fn handler() -> DepositHandler {
+    DepositHandler::default().refusing_blocked()
 }
 
 /// A running txinbox consumer (Kafka adapter, PostgreSQL inbox).
@@ -280,7 +234,7 @@ impl Running {
         let consumer = txinbox::Consumer::builder(consumer)
             .source(source)
             .inbox(inbox)
-            .handler(DepositHandler)
+            .handler(handler())
             .concurrency(4)
             .build()
             .expect("consumer");
@@ -303,7 +257,7 @@ impl Running {
         let consumer = txinbox::Consumer::builder(consumer)
             .source(source)
             .inbox(txinbox::PostgresInbox::new(db.pool.clone()))
-            .handler(DepositHandler)
+            .handler(handler())
             .build()
             .expect("consumer");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

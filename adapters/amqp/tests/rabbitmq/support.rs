@@ -1,5 +1,6 @@
-//! Test support: a fresh database per test, a non-idempotent deposit handler, a queue per test
-//! with a confirming publisher, a probe around the source, and `rabbitmqctl` fault injection.
+//! Test support: a fresh database per test with the deposit ledger (`txinbox_testing`), a queue
+//! per test with a confirming publisher, a probe around the source, and `rabbitmqctl` fault
+//! injection.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,13 +15,13 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::postgres::PgPool;
-use sqlx::{Executor, Postgres};
 use txinbox::{
-    async_trait, Capabilities, Consumer, Context, Delivery, Handler, HandlerError, Lane, Message,
-    MessageSource, RetryPolicy, SettleError, Settlement, SourceError,
+    async_trait, Capabilities, Consumer, Delivery, Lane, Message, MessageSource, RetryPolicy, SettleError,
+    Settlement, SourceError,
 };
 use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
 use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
@@ -67,14 +68,7 @@ impl TestDb {
             .max_connections(max_connections)
             .create()
             .await;
-        db.pool()
-            .execute(
-                "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-                 CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
-                 CREATE INDEX ON effects (message_id);",
-            )
-            .await
-            .unwrap();
+        txinbox_testing::ledger::create_tables(db.pool()).await;
         TestDb {
             pool: db.pool().clone(),
             db,
@@ -115,125 +109,6 @@ impl TestDb {
     pub async fn drop_db(self) {
         drop(self.pool);
         self.db.drop_database().await;
-    }
-}
-
-/// A deposit event as the tests publish it.
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-type FailFn = dyn Fn(&Message, u32) -> Option<HandlerError> + Send + Sync;
-
-/// One start of the handler.
-#[derive(Debug, Clone)]
-pub struct Start {
-    pub id: String,
-    pub at: Instant,
-    pub attempt: u32,
-    pub retry_header: Option<String>,
-}
-
-/// A non-idempotent handler: `balance += amount`, plus one `effects` row per application.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub calls: Arc<AtomicUsize>,
-    /// Calls for a message whose effect had already committed: a duplicate reached the handler.
-    pub after_commit: Arc<AtomicUsize>,
-    fail: Arc<FailFn>,
-    hold: Duration,
-    pub starts: Arc<Mutex<Vec<Start>>>,
-}
-
-impl Default for DepositHandler {
-    fn default() -> Self {
-        DepositHandler {
-            calls: Arc::default(),
-            after_commit: Arc::default(),
-            fail: Arc::new(|_, _| None),
-            hold: Duration::ZERO,
-            starts: Arc::default(),
-        }
-    }
-}
-
-impl DepositHandler {
-    pub fn failing(f: impl Fn(&Message, u32) -> Option<HandlerError> + Send + Sync + 'static) -> Self {
-        DepositHandler {
-            fail: Arc::new(f),
-            ..Default::default()
-        }
-    }
-
-    /// Keeps the transaction open this long after writing the effect.
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-
-    pub fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-
-    pub fn starts_of(&self, id: &str) -> Vec<Start> {
-        self.starts
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.id == id)
-            .cloned()
-            .collect()
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.starts.lock().unwrap().push(Start {
-            id: cx.message_id().to_string(),
-            at: Instant::now(),
-            attempt: cx.attempt(),
-            retry_header: msg
-                .headers()
-                .get_str(txinbox_amqp::RETRY_HEADER)
-                .map(str::to_owned),
-        });
-        if let Some(e) = (self.fail)(msg, cx.attempt()) {
-            return Err(e);
-        }
-        let d: Deposit = msg.json()?;
-        let id = cx.message_id().to_string();
-        let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
-            .bind(&id)
-            .fetch_one(cx.db())
-            .await?;
-        if committed > 0 {
-            self.after_commit.fetch_add(1, Ordering::SeqCst);
-        }
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
-            .bind(cx.message_id().as_str())
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
     }
 }
 

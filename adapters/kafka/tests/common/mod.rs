@@ -1,21 +1,18 @@
-//! Shared test support: a fresh database per test, a non-idempotent deposit handler, a plain
-//! rdkafka producer, and a consumer runner.
+//! Shared test support: a fresh database per test with the deposit ledger (`txinbox_testing`),
+//! a plain rdkafka producer, and a consumer runner.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use sqlx::postgres::PgPool;
-use sqlx::{Executor, Postgres};
 use txinbox::sqlx;
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
 use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
 pub const CONSUMER: &str = "deposits-service";
 
@@ -45,16 +42,7 @@ impl TestDb {
     /// A new database named `<prefix>_…`, migrated, with the demo tables.
     pub async fn create(prefix: &str) -> TestDb {
         let database = TestDatabase::builder(prefix).max_connections(10).create().await;
-        database
-            .pool()
-            .execute(
-                "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-                 CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
-                                       topic text NOT NULL, part integer NOT NULL, off bigint NOT NULL,
-                                       amount bigint NOT NULL, run integer NOT NULL);",
-            )
-            .await
-            .unwrap();
+        txinbox_testing::ledger::create_tables(database.pool()).await;
         Self::from(database)
     }
 
@@ -162,81 +150,6 @@ impl TestDb {
             .scalar("SELECT coalesce(sum(balance), 0)::bigint FROM accounts")
             .await;
         assert_eq!(balance, expected.amounts.values().sum::<i64>(), "sum of balances");
-    }
-}
-
-/// A deposit as the tests publish it.
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
-/// A non-idempotent handler: `balance = balance + amount`, plus one `effects` row per
-/// application, tagged with `run`.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub run: i32,
-    pub hold: Duration,
-    /// Handler calls, re-runs included (a transaction that lost a lock conflict runs again).
-    pub calls: Arc<AtomicUsize>,
-    /// The message IDs it was called with.
-    pub seen: Arc<Mutex<HashSet<String>>>,
-}
-
-impl DepositHandler {
-    pub fn new(run: i32) -> Self {
-        DepositHandler {
-            run,
-            hold: Duration::ZERO,
-            calls: Arc::default(),
-            seen: Arc::default(),
-        }
-    }
-
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.seen
-            .lock()
-            .unwrap()
-            .insert(cx.message_id().as_str().to_owned());
-        let d: Deposit = msg.json()?;
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        let origin = msg.origin();
-        sqlx::query(
-            "INSERT INTO effects (message_id, topic, part, off, amount, run) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(cx.message_id().as_str())
-        .bind(&*origin.destination)
-        .bind(origin.partition.unwrap_or(-1))
-        .bind(origin.offset.unwrap_or(-1))
-        .bind(d.amount)
-        .bind(self.run)
-        .execute(cx.db())
-        .await?;
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
     }
 }
 
