@@ -10,8 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use opentelemetry::trace::{SpanId, TraceContextExt as _, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor};
+use sqlx::postgres::PgPool;
 use tracing::Instrument;
 use tracing_subscriber::layer::SubscriberExt;
 use txinbox::memory::MemoryBroker;
@@ -20,6 +19,7 @@ use txinbox::{
     async_trait, BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Headers,
     Message,
 };
+use txinbox_testing::database::TestDatabase;
 
 /// The exporter behind the global subscriber: W3C propagator, SDK tracer provider, the
 /// `tracing_opentelemetry` layer (what an application installs; the library installs nothing).
@@ -50,33 +50,12 @@ fn spans_in(trace: TraceId, name: &str) -> Vec<SpanData> {
 }
 
 async fn test_db() -> PgPool {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let admin: PgConnectOptions = url.parse().expect("DATABASE_URL parses");
-    let name = format!(
-        "txinbox_otel_t_{}_{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    );
-    let mut conn = admin
-        .connect()
-        .await
-        .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-    conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name}")))
-        .await
-        .unwrap();
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
+    TestDatabase::builder("txinbox_otel_t")
         .max_connections(12)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
+        .create()
         .await
-        .expect("connect to the test database");
-    txinbox::migrate(&pool).await.expect("migrate");
-    pool
+        .pool()
+        .clone()
 }
 
 /// Writes one outbox message per delivery, to `events`; a payload `keep:<traceparent>` makes

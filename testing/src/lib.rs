@@ -2,6 +2,7 @@
 //! `MessageSource`/`Delivery` and every outbox publisher runs.**
 //!
 //! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
+//! - [`ledger`]: a deposit handler that is not idempotent, so a message applied twice shows.
 //! - [`conformance`]: the contracts of `txinbox::MessageSource`, `txinbox::Delivery` and
 //!   `txinbox::outbox::Publisher`, written once as tests that take the implementation under test.
 //!   The in-memory broker, Kafka and RabbitMQ adapters run them; a third-party adapter runs them
@@ -9,3 +10,4 @@
 
 pub mod conformance;
 pub mod database;
+pub mod ledger;

@@ -3,65 +3,26 @@
 //! publishers are tested in the adapters. Needs `DATABASE_URL`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor};
 use txinbox::outbox::{self, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use txinbox::{async_trait, Headers, RetryPolicy};
 
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
+use txinbox_testing::database::{server_url as admin_url, TestDatabase};
 
 async fn test_db() -> PgPool {
-    let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-    let name = format!(
-        "txinbox_outbox_t_{}_{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    );
-    let mut conn = admin
-        .connect()
-        .await
-        .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-    // Databases of earlier runs (tests here do not drop their own) that nobody uses now.
-    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    SWEPT
-        .get_or_init(|| async {
-            let stale: Vec<String> = sqlx::query_scalar(
-                "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_outbox\\_t\\_%'
-                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-            )
-            .fetch_all(&mut admin.connect().await.unwrap())
-            .await
-            .unwrap();
-            let mut c = admin.connect().await.unwrap();
-            for db in stale {
-                let _ = c
-                    .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                    .await;
-            }
-        })
-        .await;
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
+    TestDatabase::builder("txinbox_outbox_t")
         .max_connections(12)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
+        .create()
         .await
-        .expect("connect to the test database");
-    txinbox::migrate(&pool).await.expect("migrate");
-    pool
+        .pool()
+        .clone()
 }
 
 /// Stands in for a broker: records every confirmed message in confirmation order, with the

@@ -3,7 +3,7 @@
 //! never holds the one write lock while a broker confirms, and a dead relay's claim is taken
 //! over when its lease runs out.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
@@ -11,7 +11,9 @@ use txinbox::memory::MemoryBroker;
 use txinbox::outbox::{self, OutboxMessage, Relay};
 use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Headers, Message, SqliteInbox};
 
-use super::{assert_key_order, drain, fast_config, write_interleaved, Failure, Recorder, COUNTER};
+use super::{assert_key_order, drain, fast_config, write_interleaved, Failure, Recorder};
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// A fresh database file with the migrations run, and a pool of `connections`.
 async fn sqlite_db(connections: u32) -> SqlitePool {

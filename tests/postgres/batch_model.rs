@@ -17,11 +17,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use bytes::Bytes;
 use proptest::prelude::*;
-use txinbox::{BatchContext, BatchHandler, BatchMessage, Context, Handler, Message};
+use txinbox::memory::MemoryBroker;
+use txinbox::{BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Message};
 
-use super::*;
+use super::support::{fast_retries, TestDb};
 
 const MAX_ATTEMPTS: u32 = 3;
 

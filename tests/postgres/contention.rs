@@ -4,8 +4,12 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::*;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, DeadLetterReason, HandlerError};
+
+use super::support::{deposit_in_lane, fast_retries, DepositHandler, TestDb};
 
 /// Makes PostgreSQL raise `code` in the handler's transaction, as a real lock conflict would.
 async fn raise(conn: &mut sqlx::PgConnection, code: &str) -> Result<(), sqlx::Error> {
@@ -46,7 +50,7 @@ async fn lock_conflicts_in_the_handler_never_spend_attempts() {
     for code in ["40P01", "40001", "55P03"] {
         let db = TestDb::new(10).await;
         let broker = MemoryBroker::new("payments");
-        broker.publish("evt-1", deposit("alice", 10, "-", 0));
+        broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
         broker.close();
         let handler = Contended {
             inner: DepositHandler::default(),
@@ -119,7 +123,7 @@ async fn a_serialization_failure_at_commit_never_spends_attempts() {
     .await
     .unwrap();
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let handler = DepositHandler::default();
     Consumer::builder("commit-contention")
@@ -149,7 +153,7 @@ async fn a_serialization_failure_at_commit_never_spends_attempts() {
 async fn a_statement_timeout_in_the_handler_counts_as_an_attempt() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let handler = Contended {
         inner: DepositHandler::default(),

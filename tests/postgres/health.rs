@@ -3,14 +3,15 @@
 //! and what a source reports (connection, assignment) shows up in the report.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use metrics_util::debugging::DebugValue;
 use txinbox::health::{BrokerStatus, Health, HealthReport, RunState, SourceHealth};
-use txinbox::memory::{MemoryDelivery, MemorySource};
-use txinbox::{Capabilities, MessageSource, SourceError};
+use txinbox::memory::{MemoryBroker, MemoryDelivery, MemorySource};
+use txinbox::{Capabilities, Consumer, MessageSource, SourceError};
 
 use super::metrics::snapshotter;
-use super::*;
+use super::support::{deposit_in_lane, DepositHandler, PrivateCluster, TestDb};
 
 /// Polls `health` until `pred` holds, or panics with the last report after `within`.
 async fn wait_for(health: &Health, within: Duration, what: &str, pred: impl Fn(&HealthReport) -> bool) {
@@ -57,7 +58,7 @@ async fn readiness_follows_the_database() {
         let broker = broker.clone();
         tokio::spawn(async move {
             for i in 0u64.. {
-                broker.publish(format!("evt-{i}"), deposit("alice", 1, "-", i));
+                broker.publish(format!("evt-{i}"), deposit_in_lane("alice", 1, "-", i));
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         })
@@ -132,10 +133,14 @@ async fn a_lane_blocked_on_a_lock_is_reported_stalled() {
         broker.publish_in_lane(
             "payments/0",
             format!("evt-{i}"),
-            deposit("alice", 1, "payments/0", i),
+            deposit_in_lane("alice", 1, "payments/0", i),
         );
     }
-    broker.publish_in_lane("payments/1", "evt-other", deposit("bob", 1, "payments/1", 0));
+    broker.publish_in_lane(
+        "payments/1",
+        "evt-other",
+        deposit_in_lane("bob", 1, "payments/1", 0),
+    );
     let consumer = Consumer::builder("health-stall")
         .source(broker.source())
         .inbox(db.inbox())

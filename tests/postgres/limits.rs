@@ -2,7 +2,11 @@
 //! dead-lettered without running the handler, nothing of it beyond the limits is copied, and
 //! the dead letter stores at most the configured number of bytes.
 
-use super::*;
+use bytes::Bytes;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, DeadLetterReason, Headers, IdStrategy};
+
+use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
 #[tokio::test]
 async fn messages_without_a_usable_id_or_too_large_are_dead_lettered_not_processed() {
@@ -12,7 +16,7 @@ async fn messages_without_a_usable_id_or_too_large_are_dead_lettered_not_process
         Some("l"),
         None,
         Headers::new(),
-        deposit("alice", 1, "l", 0).into(),
+        deposit_in_lane("alice", 1, "l", 0).into(),
     );
     broker.publish_with(
         Some("l"),
@@ -24,9 +28,9 @@ async fn messages_without_a_usable_id_or_too_large_are_dead_lettered_not_process
         Some("l"),
         Some("a\0b".into()),
         Headers::new(),
-        deposit("alice", 1, "l", 2).into(),
+        deposit_in_lane("alice", 1, "l", 2).into(),
     );
-    broker.publish_in_lane("l", "evt-ok", deposit("alice", 7, "l", 3));
+    broker.publish_in_lane("l", "evt-ok", deposit_in_lane("alice", 7, "l", 3));
     broker.close();
     let handler = DepositHandler::default();
     Consumer::builder("untrusted")
@@ -186,7 +190,7 @@ async fn an_oversized_payload_is_never_parsed_for_its_id() {
 #[tokio::test]
 async fn a_processed_message_over_the_limit_when_read_again_is_too_large_not_a_conflict() {
     let db = TestDb::new(10).await;
-    let payload = deposit("alice", 10, "-", 0);
+    let payload = deposit_in_lane("alice", 10, "-", 0);
     for headers in [Headers::new(), Headers::new().with("x-death", "y".repeat(200))] {
         let broker = MemoryBroker::new("payments");
         broker.publish_with(None, Some("evt-1".into()), headers, Bytes::from(payload.clone()));

@@ -1,10 +1,13 @@
 //! Every outcome is counted under the `consumer` label, through the `metrics` facade.
 
 use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, HandlerError};
 
-use super::*;
+use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
 pub(crate) fn snapshotter() -> &'static Snapshotter {
     static S: OnceLock<Snapshotter> = OnceLock::new();
@@ -46,10 +49,10 @@ async fn every_outcome_is_counted() {
     snapshotter();
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish_in_lane("l", "ok", deposit("a", 1, "l", 0));
-    broker.publish_in_lane("l", "ok", deposit("a", 1, "l", 0)); // duplicate
-    broker.publish_in_lane("l", "ok", deposit("a", 2, "l", 0)); // conflict
-    broker.publish_in_lane("l", "flaky", deposit("a", 1, "l", 1)); // one retry
+    broker.publish_in_lane("l", "ok", deposit_in_lane("a", 1, "l", 0));
+    broker.publish_in_lane("l", "ok", deposit_in_lane("a", 1, "l", 0)); // duplicate
+    broker.publish_in_lane("l", "ok", deposit_in_lane("a", 2, "l", 0)); // conflict
+    broker.publish_in_lane("l", "flaky", deposit_in_lane("a", 1, "l", 1)); // one retry
     broker.publish_in_lane("l", "bad", "nope"); // undecodable
     broker.close();
     let handler = DepositHandler::failing(|m, attempt| {
@@ -75,7 +78,7 @@ async fn every_outcome_is_counted() {
 
     let lossy = MemoryBroker::with_seed("payments", 3);
     lossy.set_lose_ack_probability(1.0);
-    lossy.publish("x", deposit("a", 1, "-", 9));
+    lossy.publish("x", deposit_in_lane("a", 1, "-", 9));
     let run = tokio::spawn(
         Consumer::builder("metrics-acks")
             .source(lossy.source())

@@ -3,11 +3,14 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use txinbox::{Capabilities, Delivery, InboxStore, Lane, Message, MessageSource, Origin, Position};
-use txinbox::{RetryMode, SettleError, Settlement, SourceError};
+use txinbox::{
+    Capabilities, Consumer, Delivery, IdStrategy, InboxStore, Lane, Message, MessageSource, Origin, Position,
+    RetryMode, SettleError, Settlement, SourceError,
+};
 
-use super::*;
+use super::support::{DepositHandler, TestDb};
 
 /// A Kafka-like source: one lane per partition, positions `offset + 1`. Records how each
 /// delivery was settled; the first `refuse_dead_letters` dead-letter settlements fail (a

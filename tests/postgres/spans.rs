@@ -3,14 +3,17 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing_subscriber::layer::{Context as LayerContext, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, HandlerError};
 
-use super::*;
+use super::support::{deposit_in_lane, drain, fast_retries, DepositHandler, TestDb};
 
 type Fields = HashMap<String, String>;
 
@@ -110,7 +113,7 @@ async fn a_batch_stopped_at_shutdown_marks_every_delivery_it_held_abandoned() {
     let broker = MemoryBroker::new("payments");
     broker.set_retry_mode(txinbox::RetryMode::InPlace);
     for i in 0..4 {
-        broker.publish_in_lane("p0", format!("evt-{i}"), deposit("a", 1, "p0", i));
+        broker.publish_in_lane("p0", format!("evt-{i}"), deposit_in_lane("a", 1, "p0", i));
     }
     let handler = DepositHandler::failing(|m, _| {
         (m.native_id() == Some("evt-1"))
@@ -166,8 +169,8 @@ async fn each_message_gets_one_span_with_opentelemetry_messaging_attributes() {
     let capture = capture();
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("a", 1, "-", 0));
-    broker.publish("evt-1", deposit("a", 1, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("a", 1, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("a", 1, "-", 0));
     broker.close();
     drain("spans", &db, &broker, DepositHandler::default()).await;
 
@@ -202,8 +205,8 @@ async fn an_oversized_id_never_reaches_a_span() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
     let huge_id = "i".repeat(512 * 1024);
-    broker.publish(huge_id.clone(), deposit("a", 1, "-", 0));
-    broker.publish("a\0b", deposit("a", 1, "-", 1));
+    broker.publish(huge_id.clone(), deposit_in_lane("a", 1, "-", 0));
+    broker.publish("a\0b", deposit_in_lane("a", 1, "-", 1));
     broker.close();
     drain("huge-ids", &db, &broker, DepositHandler::default()).await;
     let reasons: Vec<String> =
@@ -231,7 +234,7 @@ async fn every_span_field_is_recorded_once() {
     let broker = MemoryBroker::new("payments");
     broker.set_retry_mode(txinbox::RetryMode::InPlace);
     for i in 0..4 {
-        broker.publish_in_lane("l", format!("evt-{i}"), deposit("a", 1, "l", i));
+        broker.publish_in_lane("l", format!("evt-{i}"), deposit_in_lane("a", 1, "l", i));
     }
     broker.close();
     // evt-2 fails once: its batch is cut, it runs alone, fails, is retried in place.

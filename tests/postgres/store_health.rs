@@ -2,9 +2,14 @@
 //! outage; a handler cannot ask to be retried after a day; settings that break durability
 //! are reported when the consumer starts.
 
+use std::time::Duration;
+
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, Error, HandlerError};
+
 use super::metrics::{counter, snapshotter};
 use super::spans::{capture, warnings_of};
-use super::*;
+use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
 /// A consumer `name` on a pool of 2 whose connections the test holds (returned: drop them to
 /// free the pool), with one deposit to apply.
@@ -23,7 +28,7 @@ async fn saturated(
         .unwrap();
     let held = vec![pool.acquire().await.unwrap(), pool.acquire().await.unwrap()];
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let consumer = Consumer::builder(name)
         .source(broker.source())
@@ -93,7 +98,7 @@ async fn a_pool_saturated_for_long_is_reported_as_an_outage() {
 async fn a_requested_retry_delay_is_capped_at_max_delay() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.publish("evt-1", deposit("alice", 10, "-", 0));
+    broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
     broker.close();
     let handler = DepositHandler::failing(|_, attempt| {
         (attempt == 1)
@@ -122,7 +127,7 @@ async fn synchronous_commit_off_is_reported_at_start() {
         .unwrap();
     for (name, pool) in [("async-commit", pool), ("sync-commit", db.pool.clone())] {
         let broker = MemoryBroker::new("payments");
-        broker.publish("evt-1", deposit("alice", 10, "-", 0));
+        broker.publish("evt-1", deposit_in_lane("alice", 10, "-", 0));
         broker.close();
         Consumer::builder(name)
             .source(broker.source())

@@ -1,69 +1,31 @@
-//! Shared test support: a fresh database per test, a deposit handler with programmable
-//! failures, and a private PostgreSQL cluster that a test may stop and start.
+//! Shared test support: a fresh database per test with the deposit ledger's tables
+//! (`txinbox_testing`), and a private PostgreSQL cluster that a test may stop and start.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
+use txinbox::memory::MemoryBroker;
+use txinbox::{Consumer, RetryPolicy};
 
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
+pub use txinbox_testing::database::server_url as admin_url;
+use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit_in_lane, DepositHandler};
 
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
 }
 
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-
 impl TestDb {
     pub async fn new(max_connections: u32) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs (a failed test does not drop its own). Only those
-                // nobody is connected to: another test process may be using its own right now.
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_t\\_%'
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
+        let db = TestDatabase::builder("txinbox_t")
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(2))
+            .create()
             .await;
-        conn.execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await
-        .unwrap();
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        Self::on(admin.database(&name), max_connections).await
+        Self::with_tables(db.pool().clone()).await
     }
 
     pub async fn on(options: PgConnectOptions, max_connections: u32) -> TestDb {
@@ -74,13 +36,11 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         txinbox::migrate(&pool).await.expect("migrate");
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
-                                   lane text, idx bigint, amount bigint NOT NULL);",
-        )
-        .await
-        .unwrap();
+        Self::with_tables(pool).await
+    }
+
+    async fn with_tables(pool: PgPool) -> TestDb {
+        txinbox_testing::ledger::create_tables(&pool).await;
         TestDb { pool }
     }
 
@@ -101,111 +61,24 @@ impl TestDb {
     }
 }
 
-/// A deposit event as the tests publish it.
-pub fn deposit(account: &str, amount: i64, lane: &str, idx: u64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount},"lane":"{lane}","idx":{idx}}}"#)
+pub fn fast_retries() -> RetryPolicy {
+    RetryPolicy::default()
+        .initial_delay(Duration::from_millis(5))
+        .max_delay(Duration::from_millis(20))
 }
 
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-    lane: String,
-    idx: i64,
-}
-
-type FailFn = dyn Fn(&Message, u32) -> Option<HandlerError> + Send + Sync;
-
-/// A non-idempotent handler: `balance += amount`, plus one `effects` row per application.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub calls: Arc<AtomicUsize>,
-    fail: Arc<FailFn>,
-    hold: Duration,
-    /// Per message ID: how many times the handler started on it.
-    pub starts: Arc<Mutex<HashMap<String, u32>>>,
-    pub entered: Arc<tokio::sync::Notify>,
-    block_forever: bool,
-}
-
-impl Default for DepositHandler {
-    fn default() -> Self {
-        DepositHandler {
-            calls: Arc::default(),
-            fail: Arc::new(|_, _| None),
-            hold: Duration::ZERO,
-            starts: Arc::default(),
-            entered: Arc::default(),
-            block_forever: false,
-        }
-    }
-}
-
-impl DepositHandler {
-    /// Fails with whatever `f(message, attempt)` returns.
-    pub fn failing(f: impl Fn(&Message, u32) -> Option<HandlerError> + Send + Sync + 'static) -> Self {
-        DepositHandler {
-            fail: Arc::new(f),
-            ..Default::default()
-        }
-    }
-
-    /// Keeps the transaction open this long after writing the effect.
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-
-    /// Writes the effect, signals `entered`, then never returns (a crash is simulated by
-    /// dropping the consumer).
-    pub fn blocking_forever(mut self) -> Self {
-        self.block_forever = true;
-        self
-    }
-
-    pub fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        *self
-            .starts
-            .lock()
-            .unwrap()
-            .entry(cx.message_id().to_string())
-            .or_default() += 1;
-        if let Some(e) = (self.fail)(msg, cx.attempt()) {
-            return Err(e);
-        }
-        let d: Deposit = msg.json()?;
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, lane, idx, amount) VALUES ($1, $2, $3, $4)")
-            .bind(cx.message_id().as_str())
-            .bind(&d.lane)
-            .bind(d.idx)
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        if self.block_forever {
-            self.entered.notify_one();
-            std::future::pending::<()>().await;
-        }
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
-    }
+/// Runs a consumer on `broker` until the broker is drained (the broker must be closed).
+pub async fn drain(name: &str, db: &TestDb, broker: &MemoryBroker, handler: DepositHandler) {
+    Consumer::builder(name)
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler)
+        .retry_policy(fast_retries())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
 }
 
 /// A private PostgreSQL cluster in a temporary directory, so a test can stop and start the

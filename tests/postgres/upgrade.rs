@@ -3,9 +3,8 @@
 
 use std::borrow::Cow;
 
-use sqlx::{Connection as _, Executor as _, PgPool};
-
-use super::support::admin_url;
+use sqlx::Executor as _;
+use txinbox_testing::database::TestDatabase;
 
 /// The migrations before `version`, then the rows `setup` writes, then every migration.
 const KEYS: i64 = 20261124000000;
@@ -32,20 +31,12 @@ const OLD_ROWS: [(i64, &[u8]); 4] = [
 
 #[tokio::test]
 async fn postgres_keys_merge_only_the_same_record_read_twice() {
-    let mut admin = sqlx::PgConnection::connect(&admin_url()).await.unwrap();
-    let name = format!("txinbox_t_upgrade_{}", std::process::id());
-    admin
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await
-        .unwrap();
-    admin
-        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let url = format!("{}/{name}", admin_url().rsplit_once('/').unwrap().0);
-    let pool = PgPool::connect(&url).await.unwrap();
+    let db = TestDatabase::builder("txinbox_t_upgrade")
+        .migrate(false)
+        .inbox_timeouts(false)
+        .create()
+        .await;
+    let pool = db.pool().clone();
     before(txinbox::migrator(), KEYS).run(&pool).await.unwrap();
     for (offset, payload) in OLD_ROWS {
         sqlx::query(
@@ -86,11 +77,8 @@ async fn postgres_keys_merge_only_the_same_record_read_twice() {
         hashed, 4,
         "old rows get the hash of the payload they stored whole"
     );
-    pool.close().await;
-    admin
-        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)")))
-        .await
-        .unwrap();
+    drop(pool);
+    db.drop_database().await;
 }
 
 #[tokio::test]

@@ -13,12 +13,12 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::Postgres;
 use tracing_subscriber::layer::SubscriberExt;
 use txinbox::outbox::{OutboxMessage, Relay, RelayConfig};
 use txinbox::{async_trait, Context, Handler, HandlerError, Message};
 use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
+use txinbox_testing::database::TestDatabase;
 
 const PRODUCER_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
 const PRODUCER_SPAN: &str = "b7ad6b7169203331";
@@ -76,26 +76,8 @@ async fn a_producer_trace_runs_through_the_consumer_and_the_relayed_message() {
         format!("txinbox-otel-t-{tag}-orders"),
         format!("txinbox-otel-t-{tag}-events"),
     );
-    let admin: PgConnectOptions = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-        .parse()
-        .expect("DATABASE_URL parses");
-    let db = format!("txinbox_amqp_otel_t_{tag}");
-    let mut c = admin.connect().await.expect("connect to DATABASE_URL");
-    c.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&db)))
-        .await
-        .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    let db = TestDatabase::new("txinbox_amqp_otel_t").await;
+    let pool = db.pool().clone();
 
     let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
@@ -198,10 +180,6 @@ async fn a_producer_trace_runs_through_the_consumer_and_the_relayed_message() {
             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
             .await;
     }
-    pool.close().await;
-    let _ = c
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-        )))
-        .await;
+    drop(pool);
+    db.drop_database().await;
 }

@@ -15,51 +15,32 @@ use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, PgPool};
+use sqlx::{Executor, PgPool};
 use tower::ServiceExt;
 use txinbox_http::{IdempotencyLayer, IdempotentTx};
+use txinbox_testing::database::{Builder, TestDatabase};
 
 const CHILD_DB: &str = "TXINBOX_HTTP_CRASH_DB";
 
-fn admin() -> PgConnectOptions {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-        .parse()
-        .unwrap()
+/// The settings of the scratch databases here: 2 connections, no inbox session timeouts.
+fn scratch() -> Builder {
+    TestDatabase::builder("txinbox_http_crash")
+        .max_connections(2)
+        .inbox_timeouts(false)
 }
 
 async fn pool(name: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(2)
-        .connect_with(admin().database(name))
-        .await
-        .unwrap()
+    scratch().open(name).await.pool().clone()
 }
 
 async fn fresh_db() -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!(
-        "txinbox_http_crash_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    let mut c = admin().connect().await.unwrap();
-    c.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let p = pool(&name).await;
-    txinbox::migrate(&p).await.unwrap();
+    let db = scratch().create().await;
+    let p = db.pool();
     p.execute("CREATE TABLE effects (seq bigserial PRIMARY KEY)")
         .await
         .unwrap();
     p.close().await;
-    name
+    db.name().to_owned()
 }
 
 async fn effect(mut tx: IdempotentTx) -> (StatusCode, &'static str) {

@@ -7,7 +7,6 @@
 //! marking); a downstream txinbox consumer deduplicating on the outbox ID header applies each
 //! payment exactly once. Needs PostgreSQL at `DATABASE_URL`.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -18,13 +17,13 @@ use http::{HeaderMap, Request, StatusCode};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::mocking::MockCluster;
 use rdkafka::ClientConfig;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, PgPool, Postgres};
+use sqlx::{Executor, PgPool, Postgres};
 use tower::ServiceExt;
 use txinbox::outbox::{OutboxMessage, Relay, RelayConfig, ID_HEADER};
 use txinbox::{async_trait, Context, Handler, HandlerError, IdStrategy, Message};
 use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
 use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource};
+use txinbox_testing::database::TestDatabase;
 
 const TOPIC: &str = "payments";
 
@@ -43,31 +42,12 @@ fn mock_cluster() -> (String, std_mpsc::Sender<()>) {
 }
 
 async fn db() -> PgPool {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!(
-        "txinbox_http_e2e_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    let admin: PgConnectOptions = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-        .parse()
-        .unwrap();
-    let mut c = admin.connect().await.expect("PostgreSQL at DATABASE_URL");
-    c.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
+    let pool = TestDatabase::builder("txinbox_http_e2e")
         .max_connections(12)
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
+        .create()
         .await
-        .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+        .pool()
+        .clone();
     pool.execute(
         "CREATE TABLE payments (payment_id text PRIMARY KEY, amount bigint NOT NULL);
          CREATE TABLE downstream (seq bigserial PRIMARY KEY, message_id text NOT NULL, payload text NOT NULL);",

@@ -11,12 +11,11 @@ use axum::{Extension, Router};
 use http::{Request, StatusCode};
 use opentelemetry::trace::{SpanId, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor};
 use tower::ServiceExt;
 use tracing_subscriber::layer::SubscriberExt;
 use txinbox::outbox::OutboxMessage;
 use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
+use txinbox_testing::database::TestDatabase;
 
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CALLER_SPAN: &str = "00f067aa0ba902b7";
@@ -48,26 +47,12 @@ async fn place(mut tx: IdempotentTx, Extension(cx): Extension<IdempotencyContext
 #[tokio::test]
 async fn a_callers_traceparent_reaches_the_layer_span_and_the_outbox_row() {
     exporter();
-    let admin: PgConnectOptions = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-        .parse()
-        .unwrap();
-    let name = format!("txinbox_http_otel_t_{}", std::process::id());
-    let mut conn = admin.connect().await.expect("PostgreSQL at DATABASE_URL");
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
+    let db = TestDatabase::builder("txinbox_http_otel_t")
         .max_connections(4)
-        .connect_with(admin.database(&name))
-        .await
-        .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+        .inbox_timeouts(false)
+        .create()
+        .await;
+    let pool = db.pool().clone();
 
     let layer = IdempotencyLayer::new(pool.clone()).principal(|_| Some("tenant".into()));
     let app = Router::new().route("/orders", post(place).layer(layer));
@@ -105,10 +90,6 @@ async fn a_callers_traceparent_reaches_the_layer_span_and_the_outbox_row() {
         "the outbox row carries the caller's trace, the handler's span as parent"
     );
 
-    pool.close().await;
-    let _ = conn
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await;
+    drop(pool);
+    db.drop_database().await;
 }

@@ -290,30 +290,19 @@ fn payments_api_publishes_the_embedded_stores_events_to_rabbitmq() {
 
 #[test]
 fn payments_api_on_postgres() {
-    let admin = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let name = format!("txinbox_http_payments_{}", std::process::id());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async {
-        use sqlx::{ConnectOptions, Executor};
-        let opts: sqlx::postgres::PgConnectOptions = admin.parse().unwrap();
-        let mut c = opts.connect().await.expect("PostgreSQL at DATABASE_URL");
-        c.execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await
-        .unwrap();
-        c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
+    // Not migrated: the server under test migrates it.
+    let url = rt.block_on(async {
+        let db = txinbox_testing::database::TestDatabase::builder("txinbox_http_payments")
+            .migrate(false)
+            .create()
+            .await;
+        db.pool().close().await;
+        db.url().to_owned()
     });
-    let url = {
-        let (base, _) = admin.rsplit_once('/').unwrap();
-        format!("{base}/{name}")
-    };
     let Some(server) = Server::start(&[], Some(&url)) else {
         return;
     };

@@ -5,7 +5,6 @@
 //! Needs PostgreSQL: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`);
 //! each test creates its own database.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -15,60 +14,21 @@ use axum::{Extension, Json, Router};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use serde::Deserialize;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, PgPool};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
 use tower::ServiceExt;
 use txinbox_http::{purge_expired, IdempotencyContext, IdempotencyLayer, IdempotentTx, OversizedResponse};
-
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
+use txinbox_testing::database::TestDatabase;
 
 /// A fresh database with txinbox's migrations and an `effects` table.
 async fn db(max_connections: u32) -> PgPool {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let name = format!(
-        "txinbox_http_t_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    let admin: PgConnectOptions = admin_url().parse().unwrap();
-    let mut conn = admin.connect().await.expect("PostgreSQL at DATABASE_URL");
-    // Databases left by earlier runs of this crate's tests (a failing test keeps its own), once
-    // per process, and only those nobody is connected to.
-    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    SWEPT
-        .get_or_init(|| async {
-            let mut c = admin.connect().await.unwrap();
-            let stale: Vec<String> = sqlx::query_scalar(
-                "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_http\\_%'
-                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-            )
-            .fetch_all(&mut c)
-            .await
-            .unwrap();
-            for db in stale {
-                let _ = c
-                    .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                    .await;
-            }
-        })
-        .await;
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = PgPoolOptions::new()
+    let db = TestDatabase::builder("txinbox_http_t")
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(30))
-        .connect_with(admin.database(&name))
-        .await
-        .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+        .inbox_timeouts(false)
+        .create()
+        .await;
+    let pool = db.pool().clone();
     pool.execute(
         "CREATE TABLE effects (seq bigserial PRIMARY KEY, principal text NOT NULL, route text NOT NULL,
                                amount bigint NOT NULL, derived_id text)",

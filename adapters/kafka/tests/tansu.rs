@@ -72,11 +72,11 @@ async fn tansu_two_members_ten_thousand_records_with_duplicates() {
     let producer = Producer::new(&brokers);
     let config = || kafka_config(&brokers, &group, &topic).set("partition.assignment.strategy", "range");
 
-    let first = Running::start(&db, config(), DepositHandler::new(1));
+    let first = Running::start(&db, config(), DepositHandler::default().tagged(1));
     // 8,000 unique IDs, every 4th sent twice: 10,000 records, 20% duplicates.
     let half = producer.deposits(&topic, 6, "a", 4_000, 4).await;
     db.wait_applied(1_000, Duration::from_secs(60)).await;
-    let second = Running::start(&db, config(), DepositHandler::new(2));
+    let second = Running::start(&db, config(), DepositHandler::default().tagged(2));
     let rest = producer.deposits(&topic, 6, "b", 4_000, 4).await;
     let mut expected = half;
     expected.records += rest.records;
@@ -113,7 +113,7 @@ async fn tansu_restored_database_holds_the_partition_until_a_position_is_written
     let producer = Producer::new(&brokers);
     let config = || kafka_config(&brokers, &group, &topic).set("partition.assignment.strategy", "range");
     let mut expected = producer.deposits(&topic, 2, "a", 200, 0).await;
-    let running = Running::start(&db, config(), DepositHandler::new(1));
+    let running = Running::start(&db, config(), DepositHandler::default().tagged(1));
     db.wait_applied(200, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     running.stop().await;
@@ -135,7 +135,7 @@ async fn tansu_restored_database_holds_the_partition_until_a_position_is_written
     let more = producer.deposits(&topic, 2, "b", 20, 0).await;
     expected.amounts.extend(more.amounts);
 
-    let running = Running::start(&db, config(), DepositHandler::new(2));
+    let running = Running::start(&db, config(), DepositHandler::default().tagged(2));
     db.wait_applied(110, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
@@ -218,7 +218,7 @@ async fn tansu_lag_and_health_are_reported() {
     let consumer = txinbox::Consumer::builder(CONSUMER)
         .source(txinbox_kafka::KafkaSource::new(config).unwrap())
         .inbox(inbox)
-        .handler(DepositHandler::new(1))
+        .handler(DepositHandler::default().tagged(1))
         .concurrency(4)
         .build()
         .unwrap();

@@ -1,6 +1,6 @@
-//! Test support: a fresh database per test, a unique topic per test, a non-idempotent deposit
-//! handler run by a real txinbox consumer on the Kafka adapter, and a runner for the built
-//! `txinbox` binary.
+//! Test support: a fresh database per test, a unique topic per test, the deposit ledger's
+//! handler (`txinbox_testing`) run by a real txinbox consumer on the Kafka or AMQP adapter, and
+//! a runner for the built `txinbox` binary.
 #![allow(dead_code)]
 
 use std::collections::HashMap;
@@ -12,13 +12,15 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use txinbox::sqlx::{self, ConnectOptions, Executor, Postgres};
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
+use txinbox::sqlx::postgres::PgPool;
+use txinbox::sqlx::{self, Executor};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
+/// The PostgreSQL server the tests' databases are made on (`DATABASE_URL`).
 pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    txinbox_testing::database::server_url()
 }
 
 /// The Kafka brokers, or `None` (test skipped) outside CI. Under CI a missing broker fails.
@@ -37,7 +39,6 @@ pub fn brokers() -> Option<String> {
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 fn unique(prefix: &str) -> String {
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis();
@@ -61,59 +62,16 @@ impl TestDb {
 
     /// A new database; `setup`: migrate txinbox and create the demo tables.
     pub async fn create(setup: bool) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = unique("txinbox_cli_t");
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs that nobody is connected to (a concurrent run
-                // of these tests keeps its own connected).
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_cli\\_t\\_%'
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
-            .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        let pool = PgPoolOptions::new()
+        let db = TestDatabase::builder("txinbox_cli_t")
             .max_connections(12)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(
-                admin.clone().database(&name),
-            ))
-            .await
-            .expect("connect to the test database");
-        let base = admin_url();
-        let scheme_end = base.find("://").map_or(0, |i| i + 3);
-        let url = match base[scheme_end..].find('/') {
-            Some(i) => format!("{}/{name}", &base[..scheme_end + i]),
-            None => format!("{base}/{name}"),
-        };
+            .migrate(setup)
+            .create()
+            .await;
+        let (pool, url) = (db.pool().clone(), db.url().to_owned());
         if !setup {
             return TestDb { pool, url };
         }
-        txinbox::migrate(&pool).await.expect("migrate");
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
-             CREATE TABLE blocked (account text PRIMARY KEY);",
-        )
-        .await
-        .unwrap();
+        txinbox_testing::ledger::create_tables(&pool).await;
         TestDb { pool, url }
     }
 
@@ -201,10 +159,6 @@ pub async fn create_topic(brokers: &str, partitions: i32) -> String {
     topic
 }
 
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
 /// A plain rdkafka producer, outside the framework.
 pub struct Producer(FutureProducer);
 
@@ -253,46 +207,10 @@ impl Producer {
     }
 }
 
-/// Balance plus one `effects` row per application; fails permanently for accounts listed in
-/// `blocked` (the "cause" an operator fixes before requeueing).
-#[derive(Clone)]
-pub struct DepositHandler;
-
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        let d: Deposit = msg.json()?;
-        let blocked: Option<i32> = sqlx::query_scalar("SELECT 1 FROM blocked WHERE account = $1")
-            .bind(&d.account)
-            .fetch_optional(cx.db())
-            .await?;
-        if blocked.is_some() {
-            return Err(HandlerError::permanent(format!(
-                "account {} is blocked",
-                d.account
-            )));
-        }
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
-            .bind(cx.message_id().as_str())
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        Ok(())
-    }
+/// The ledger's deposit handler, failing permanently for accounts listed in `blocked` (the
+/// "cause" an operator fixes before requeueing).
+fn handler() -> DepositHandler {
+    DepositHandler::default().refusing_blocked()
 }
 
 /// A running txinbox consumer (Kafka adapter, PostgreSQL inbox).
@@ -316,7 +234,7 @@ impl Running {
         let consumer = txinbox::Consumer::builder(consumer)
             .source(source)
             .inbox(inbox)
-            .handler(DepositHandler)
+            .handler(handler())
             .concurrency(4)
             .build()
             .expect("consumer");
@@ -339,7 +257,7 @@ impl Running {
         let consumer = txinbox::Consumer::builder(consumer)
             .source(source)
             .inbox(txinbox::PostgresInbox::new(db.pool.clone()))
-            .handler(DepositHandler)
+            .handler(handler())
             .build()
             .expect("consumer");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -3,63 +3,35 @@
 //! drops its own database). Messages come from txinbox's in-process `MemoryBroker`, which
 //! redelivers like a broker that lost acknowledgements.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use txinbox::memory::MemoryBroker;
-use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use txinbox::sqlx::{self, ConnectOptions as _, Executor as _, PgPool};
+use txinbox::sqlx::{self, PgPool};
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_demos::payments::{create_tables, Ledger, Payment};
 use txinbox_demos::reconcile::{observe, Expected, Reconciliation};
+use txinbox_testing::database::TestDatabase;
 
 struct TestDb {
-    admin: PgConnectOptions,
-    name: String,
     pool: PgPool,
+    database: TestDatabase,
 }
 
 impl TestDb {
     async fn new() -> TestDb {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let url = std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-        let admin: PgConnectOptions = url.parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "ledger_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        conn.execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await
-        .unwrap();
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect_with(PostgresInbox::connect_options(admin.clone().database(&name)))
-            .await
-            .unwrap();
-        txinbox::migrate(&pool).await.unwrap();
-        TestDb { admin, name, pool }
+        let database = TestDatabase::builder("ledger_t")
+            .acquire_timeout(Duration::from_secs(30))
+            .create()
+            .await;
+        TestDb {
+            pool: database.pool().clone(),
+            database,
+        }
     }
 
     async fn drop_database(self) {
-        self.pool.close().await;
-        let mut conn = self.admin.connect().await.unwrap();
-        conn.execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.name
-        )))
-        .await
-        .unwrap();
+        drop(self.pool);
+        self.database.drop_database().await;
     }
 }
 

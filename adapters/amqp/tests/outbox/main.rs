@@ -16,18 +16,15 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::postgres::PgPool;
+use sqlx::{Executor, Postgres};
 use txinbox::outbox::{self, OutboxMessage, Publisher, Relay, RelayConfig, ID_HEADER};
 use txinbox::{async_trait, Context, Handler, HandlerError, Message, RetryPolicy};
 use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource, KEY_HEADER};
+use txinbox_testing::database::TestDatabase;
 
 fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
@@ -41,52 +38,32 @@ fn unique(what: &str) -> String {
     )
 }
 
-async fn create_db() -> (PgPool, String) {
-    let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-    // Not `txinbox_outbox_t_*`: the root crate's outbox tests sweep that prefix.
-    let name = format!(
-        "txinbox_amqp_outbox_t_{}_{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::SeqCst)
-    );
-    let mut conn = admin
-        .connect()
-        .await
-        .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+/// A scratch database with the tables of consumers A and B.
+async fn create_db() -> (PgPool, TestDatabase) {
+    // Not `txinbox_outbox_t_*`, the prefix of the root crate's outbox tests.
+    let db = TestDatabase::new("txinbox_amqp_outbox_t").await;
+    db.pool()
+        .execute(
+            "CREATE TABLE a_orders (order_id text PRIMARY KEY, customer text NOT NULL);
+             CREATE TABLE b_effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, customer text,
+                                     event text NOT NULL);",
+        )
         .await
         .unwrap();
-    let pool = open_db(&name).await;
-    txinbox::migrate(&pool).await.expect("migrate");
-    pool.execute(
-        "CREATE TABLE a_orders (order_id text PRIMARY KEY, customer text NOT NULL);
-         CREATE TABLE b_effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, customer text,
-                                 event text NOT NULL);",
-    )
-    .await
-    .unwrap();
-    (pool, name)
+    (db.pool().clone(), db)
 }
 
 async fn open_db(name: &str) -> PgPool {
-    let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-    PgPoolOptions::new()
-        .max_connections(10)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(name)))
+    TestDatabase::builder("txinbox_amqp_outbox_t")
+        .open(name)
         .await
-        .expect("connect to the test database")
+        .pool()
+        .clone()
 }
 
-async fn drop_db(pool: PgPool, name: &str) {
-    pool.close().await;
-    let admin: PgConnectOptions = admin_url().parse().unwrap();
-    let mut c = admin.connect().await.unwrap();
-    let _ = c
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-        )))
-        .await;
+async fn drop_db(pool: PgPool, db: TestDatabase) {
+    drop(pool);
+    db.drop_database().await;
 }
 
 async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
@@ -365,7 +342,7 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
                 "--nocapture",
                 "--test-threads=1",
             ])
-            .env("TXOUTBOX_CHILD_DB", &db_name)
+            .env("TXOUTBOX_CHILD_DB", db_name.name())
             .env(
                 txinbox::crash::ENV,
                 format!("{}:{nth}", txinbox::crash::RELAY_PUBLISHED),
@@ -505,7 +482,7 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
     );
 
     delete_queues(&ch, &[&orders_q, &events_q]).await;
-    drop_db(pool, &db_name).await;
+    drop_db(pool, db_name).await;
 }
 
 /// Counts what one relay published, after a random pause (so two relays interleave).
@@ -617,7 +594,7 @@ async fn two_relays_on_one_outbox_publish_every_row_in_key_order() {
     assert!(next.values().all(|n| *n == per_key));
 
     delete_queues(&ch, &[&events_q]).await;
-    drop_db(pool, &db_name).await;
+    drop_db(pool, db_name).await;
 }
 
 #[tokio::test]

@@ -64,7 +64,7 @@ async fn ten_thousand_messages_with_duplicates_and_three_competing_consumers_app
     // message's effect already committed (a duplicate reaching the handler).
     assert!(handler.calls() >= 10_000, "every message was handled");
     assert_eq!(
-        handler.after_commit.load(std::sync::atomic::Ordering::SeqCst),
+        handler.after_commit(),
         0,
         "the handler never ran for a message whose effect had committed (a duplicate)"
     );
@@ -295,9 +295,9 @@ async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_
         (1, 2),
         "attempts counted in Postgres"
     );
-    assert_eq!(starts[0].retry_header, None);
+    assert_eq!(starts[0].headers.get_str(txinbox_amqp::RETRY_HEADER), None);
     assert_eq!(
-        starts[1].retry_header.as_deref(),
+        starts[1].headers.get_str(txinbox_amqp::RETRY_HEADER),
         Some("1"),
         "the retry copy is marked"
     );
@@ -554,7 +554,8 @@ async fn an_unroutable_retry_copy_leaves_the_original_unacked_and_requeues_it_af
         "requeued after requeue_delay, not at once: {gap:?}"
     );
     assert_eq!(
-        starts[1].retry_header, None,
+        starts[1].headers.get_str(txinbox_amqp::RETRY_HEADER),
+        None,
         "the second attempt is the original, requeued"
     );
     assert_eq!(

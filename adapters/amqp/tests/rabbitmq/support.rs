@@ -1,5 +1,6 @@
-//! Test support: a fresh database per test, a non-idempotent deposit handler, a queue per test
-//! with a confirming publisher, a probe around the source, and `rabbitmqctl` fault injection.
+//! Test support: a fresh database per test with the deposit ledger (`txinbox_testing`), a queue
+//! per test with a confirming publisher, a probe around the source, and `rabbitmqctl` fault
+//! injection.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -13,20 +14,17 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::postgres::PgPool;
 use txinbox::{
-    async_trait, Capabilities, Consumer, Context, Delivery, Handler, HandlerError, Lane, Message,
-    MessageSource, RetryPolicy, SettleError, Settlement, SourceError,
+    async_trait, Capabilities, Consumer, Delivery, Lane, Message, MessageSource, RetryPolicy, SettleError,
+    Settlement, SourceError,
 };
 use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
+use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
@@ -61,59 +59,20 @@ pub async fn exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
-    name: String,
+    db: TestDatabase,
 }
-
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 impl TestDb {
     pub async fn new(max_connections: u32) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_amqp_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs of this suite (a failed test keeps its own).
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database WHERE datname LIKE 'txinbox\\_amqp\\_t\\_%' AND datname NOT LIKE $1",
-                )
-                .bind(format!("txinbox_amqp_t_{}_%", std::process::id()))
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)")))
-                        .await;
-                }
-            })
-            .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        let pool = PgPoolOptions::new()
+        let db = TestDatabase::builder("txinbox_amqp_t")
             .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
-            .await
-            .expect("connect to the test database");
-        txinbox::migrate(&pool).await.expect("migrate");
-        pool.execute(
-            "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-             CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
-             CREATE INDEX ON effects (message_id);",
-        )
-        .await
-        .unwrap();
-        TestDb { pool, name }
+            .create()
+            .await;
+        txinbox_testing::ledger::create_tables(db.pool()).await;
+        TestDb {
+            pool: db.pool().clone(),
+            db,
+        }
     }
 
     pub fn inbox(&self) -> txinbox::PostgresInbox {
@@ -148,134 +107,8 @@ impl TestDb {
 
     /// Drops the database (at the end of a passing test).
     pub async fn drop_db(self) {
-        self.pool.close().await;
-        let admin: PgConnectOptions = admin_url().parse().unwrap();
-        let mut c = admin.connect().await.unwrap();
-        let _ = c
-            .execute(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                self.name
-            )))
-            .await;
-    }
-}
-
-/// A deposit event as the tests publish it.
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-type FailFn = dyn Fn(&Message, u32) -> Option<HandlerError> + Send + Sync;
-
-/// One start of the handler.
-#[derive(Debug, Clone)]
-pub struct Start {
-    pub id: String,
-    pub at: Instant,
-    pub attempt: u32,
-    pub retry_header: Option<String>,
-}
-
-/// A non-idempotent handler: `balance += amount`, plus one `effects` row per application.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub calls: Arc<AtomicUsize>,
-    /// Calls for a message whose effect had already committed: a duplicate reached the handler.
-    pub after_commit: Arc<AtomicUsize>,
-    fail: Arc<FailFn>,
-    hold: Duration,
-    pub starts: Arc<Mutex<Vec<Start>>>,
-}
-
-impl Default for DepositHandler {
-    fn default() -> Self {
-        DepositHandler {
-            calls: Arc::default(),
-            after_commit: Arc::default(),
-            fail: Arc::new(|_, _| None),
-            hold: Duration::ZERO,
-            starts: Arc::default(),
-        }
-    }
-}
-
-impl DepositHandler {
-    pub fn failing(f: impl Fn(&Message, u32) -> Option<HandlerError> + Send + Sync + 'static) -> Self {
-        DepositHandler {
-            fail: Arc::new(f),
-            ..Default::default()
-        }
-    }
-
-    /// Keeps the transaction open this long after writing the effect.
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-
-    pub fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-
-    pub fn starts_of(&self, id: &str) -> Vec<Start> {
-        self.starts
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|s| s.id == id)
-            .cloned()
-            .collect()
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.starts.lock().unwrap().push(Start {
-            id: cx.message_id().to_string(),
-            at: Instant::now(),
-            attempt: cx.attempt(),
-            retry_header: msg
-                .headers()
-                .get_str(txinbox_amqp::RETRY_HEADER)
-                .map(str::to_owned),
-        });
-        if let Some(e) = (self.fail)(msg, cx.attempt()) {
-            return Err(e);
-        }
-        let d: Deposit = msg.json()?;
-        let id = cx.message_id().to_string();
-        let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
-            .bind(&id)
-            .fetch_one(cx.db())
-            .await?;
-        if committed > 0 {
-            self.after_commit.fetch_add(1, Ordering::SeqCst);
-        }
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        sqlx::query("INSERT INTO effects (message_id, amount) VALUES ($1, $2)")
-            .bind(cx.message_id().as_str())
-            .bind(d.amount)
-            .execute(cx.db())
-            .await?;
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
+        drop(self.pool);
+        self.db.drop_database().await;
     }
 }
 

@@ -1,20 +1,18 @@
-//! Shared test support: a fresh database per test, a non-idempotent deposit handler, a plain
-//! rdkafka producer, and a consumer runner.
+//! Shared test support: a fresh database per test with the deposit ledger (`txinbox_testing`),
+//! a plain rdkafka producer, and a consumer runner.
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::postgres::PgPool;
 use txinbox::sqlx;
-use txinbox::{async_trait, Context, Handler, HandlerError, Message};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
+use txinbox_testing::database::TestDatabase;
+pub use txinbox_testing::ledger::{deposit, DepositHandler};
 
 pub const CONSUMER: &str = "deposits-service";
 
@@ -29,81 +27,47 @@ pub fn init_tracing() {
         .try_init();
 }
 
-pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
 /// A database created for one test, with txinbox migrated and the demo tables created.
 pub struct TestDb {
     pub pool: PgPool,
     pub name: String,
+    database: TestDatabase,
 }
-
-static COUNTER: AtomicUsize = AtomicUsize::new(0);
-static CLEANED: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
 
 impl TestDb {
     pub async fn new() -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let name = format!(
-            "txinbox_kafka_t_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let mut conn = admin
-            .connect()
-            .await
-            .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-        CLEANED
-            .get_or_init(|| async {
-                // Databases left by earlier runs of these tests (a failed test keeps its own), and
-                // only those nobody is connected to: another test process may be using its own.
-                let stale: Vec<String> = sqlx::query_scalar(
-                    "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_kafka\\_t\\_%' AND datname NOT LIKE $1
-                       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-                )
-                .bind(format!("txinbox_kafka_t_{}_%", std::process::id()))
-                .fetch_all(&mut admin.connect().await.unwrap())
-                .await
-                .unwrap();
-                let mut c = admin.connect().await.unwrap();
-                for db in stale {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                        .await;
-                }
-            })
-            .await;
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        Self::open(&name, true).await
+        Self::create("txinbox_kafka_t").await
     }
 
-    /// Connects to an existing test database (`setup`: migrate and create the tables).
-    pub async fn open(name: &str, setup: bool) -> TestDb {
-        let admin: PgConnectOptions = admin_url().parse().expect("DATABASE_URL parses");
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(txinbox::PostgresInbox::connect_options(admin.database(name)))
-            .await
-            .expect("connect to the test database");
-        if setup {
-            txinbox::migrate(&pool).await.expect("migrate");
-            pool.execute(
-                "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
-                 CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,
-                                       topic text NOT NULL, part integer NOT NULL, off bigint NOT NULL,
-                                       amount bigint NOT NULL, run integer NOT NULL);",
-            )
-            .await
-            .unwrap();
-        }
+    /// A new database named `<prefix>_…`, migrated, with the demo tables.
+    pub async fn create(prefix: &str) -> TestDb {
+        let database = TestDatabase::builder(prefix).max_connections(10).create().await;
+        txinbox_testing::ledger::create_tables(database.pool()).await;
+        Self::from(database)
+    }
+
+    /// Connects to a database [`create`](Self::create) made (in a parent process).
+    pub async fn open(name: &str) -> TestDb {
+        Self::from(
+            TestDatabase::builder("txinbox_kafka_t")
+                .max_connections(10)
+                .open(name)
+                .await,
+        )
+    }
+
+    fn from(database: TestDatabase) -> TestDb {
         TestDb {
-            pool,
-            name: name.to_owned(),
+            pool: database.pool().clone(),
+            name: database.name().to_owned(),
+            database,
         }
+    }
+
+    /// Drops the database (at the end of a passing test).
+    pub async fn drop_db(self) {
+        drop(self.pool);
+        self.database.drop_database().await;
     }
 
     pub fn inbox(&self) -> txinbox::PostgresInbox {
@@ -186,81 +150,6 @@ impl TestDb {
             .scalar("SELECT coalesce(sum(balance), 0)::bigint FROM accounts")
             .await;
         assert_eq!(balance, expected.amounts.values().sum::<i64>(), "sum of balances");
-    }
-}
-
-/// A deposit as the tests publish it.
-#[derive(serde::Deserialize)]
-struct Deposit {
-    account: String,
-    amount: i64,
-}
-
-pub fn deposit(account: &str, amount: i64) -> String {
-    format!(r#"{{"account":"{account}","amount":{amount}}}"#)
-}
-
-/// A non-idempotent handler: `balance = balance + amount`, plus one `effects` row per
-/// application, tagged with `run`.
-#[derive(Clone)]
-pub struct DepositHandler {
-    pub run: i32,
-    pub hold: Duration,
-    /// Handler calls, re-runs included (a transaction that lost a lock conflict runs again).
-    pub calls: Arc<AtomicUsize>,
-    /// The message IDs it was called with.
-    pub seen: Arc<Mutex<HashSet<String>>>,
-}
-
-impl DepositHandler {
-    pub fn new(run: i32) -> Self {
-        DepositHandler {
-            run,
-            hold: Duration::ZERO,
-            calls: Arc::default(),
-            seen: Arc::default(),
-        }
-    }
-
-    pub fn holding(mut self, d: Duration) -> Self {
-        self.hold = d;
-        self
-    }
-}
-
-#[async_trait]
-impl Handler<Postgres> for DepositHandler {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.seen
-            .lock()
-            .unwrap()
-            .insert(cx.message_id().as_str().to_owned());
-        let d: Deposit = msg.json()?;
-        sqlx::query(
-            "INSERT INTO accounts (id, balance) VALUES ($1, $2)
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-        )
-        .bind(&d.account)
-        .bind(d.amount)
-        .execute(cx.db())
-        .await?;
-        let origin = msg.origin();
-        sqlx::query(
-            "INSERT INTO effects (message_id, topic, part, off, amount, run) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(cx.message_id().as_str())
-        .bind(&*origin.destination)
-        .bind(origin.partition.unwrap_or(-1))
-        .bind(origin.offset.unwrap_or(-1))
-        .bind(d.amount)
-        .bind(self.run)
-        .execute(cx.db())
-        .await?;
-        if !self.hold.is_zero() {
-            tokio::time::sleep(self.hold).await;
-        }
-        Ok(())
     }
 }
 

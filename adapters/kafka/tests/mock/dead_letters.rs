@@ -59,7 +59,7 @@ async fn oversized_dead_letter_falls_back_to_a_copy_that_fits_and_the_partition_
     let producer = Producer::new(&mock.bootstrap);
     let config =
         kafka_config(&mock.bootstrap, "g-oversized", &topic).set_producer("message.max.bytes", "2000");
-    let running = Running::start(&db, config, DepositHandler::new(1));
+    let running = Running::start(&db, config, DepositHandler::default().tagged(1));
 
     let big_payload = vec![b'x'; 1900]; // not JSON: undecodable
     let big_header = vec![b'h'; 1800];
@@ -140,7 +140,7 @@ async fn refused_dead_letter_topic_is_counted_and_the_partition_moves_on() {
     let db = TestDb::new().await;
     let producer = Producer::new(&mock.bootstrap);
     let config = kafka_config(&mock.bootstrap, "g-refusing", &topic).dead_letter_topic(dlq);
-    let running = Running::start(&db, config, DepositHandler::new(1));
+    let running = Running::start(&db, config, DepositHandler::default().tagged(1));
     producer
         .send(&topic, Some(0), "k", Some("ok-1"), &deposit("acct-1", 5))
         .await;
@@ -191,7 +191,7 @@ async fn unavailable_dead_letter_topic_holds_the_partition_visibly_until_it_is_b
     let producer = Producer::new(&mock.bootstrap);
     let config =
         kafka_config(&mock.bootstrap, "g-waiting", &topic).dead_letter_timeout(Duration::from_secs(1));
-    let running = Running::start(&db, config, DepositHandler::new(1));
+    let running = Running::start(&db, config, DepositHandler::default().tagged(1));
     producer
         .send(&topic, Some(0), "k", Some("ok-1"), &deposit("acct-1", 5))
         .await;

@@ -40,7 +40,7 @@ async fn lag_and_assignment_are_reported() {
     let consumer = txinbox::Consumer::builder(CONSUMER)
         .source(source)
         .inbox(inbox)
-        .handler(DepositHandler::new(1))
+        .handler(DepositHandler::default().tagged(1))
         .concurrency(4)
         .build()
         .unwrap();

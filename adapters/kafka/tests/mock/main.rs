@@ -143,7 +143,11 @@ async fn rebalance_mid_stream(strategy: &str) {
             .set("partition.assignment.strategy", strategy)
             .max_buffered_per_partition(8)
     };
-    let slow = |run| DepositHandler::new(run).holding(Duration::from_millis(3));
+    let slow = |run| {
+        DepositHandler::default()
+            .tagged(run)
+            .holding(Duration::from_millis(3))
+    };
     let run_count = |run: i32| {
         let pool = db.pool.clone();
         async move {
@@ -295,7 +299,9 @@ async fn offset_commit_errors_are_harmless() {
     let running = Running::start(
         &db,
         config(),
-        DepositHandler::new(1).holding(Duration::from_millis(2)),
+        DepositHandler::default()
+            .tagged(1)
+            .holding(Duration::from_millis(2)),
     );
     let mut expected = producer.deposits(&topic, 3, "a", 300, 7).await;
     db.wait_applied(300, Duration::from_secs(60)).await;
@@ -308,7 +314,7 @@ async fn offset_commit_errors_are_harmless() {
     running.stop().await;
 
     // A restart resumes from the database positions whatever the group holds.
-    let running = Running::start(&db, config(), DepositHandler::new(2));
+    let running = Running::start(&db, config(), DepositHandler::default().tagged(2));
     let more = producer.deposits(&topic, 3, "c", 60, 7).await;
     expected.amounts.extend(more.amounts);
     db.wait_applied(510, Duration::from_secs(60)).await;
@@ -325,7 +331,9 @@ async fn broker_down_then_up() {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-outage", &topic),
-        DepositHandler::new(1).holding(Duration::from_millis(2)),
+        DepositHandler::default()
+            .tagged(1)
+            .holding(Duration::from_millis(2)),
     );
     let mut expected = producer.deposits(&topic, 3, "a", 200, 9).await;
     db.wait_applied(50, Duration::from_secs(30)).await;
@@ -353,13 +361,15 @@ async fn crash_child() {
         return;
     };
     init_tracing();
-    let db = TestDb::open(&db, false).await;
+    let db = TestDb::open(&db).await;
     // No periodic group commits: the kill lands after database commits, before any offset commit.
     let config = kafka_config(&brokers, "g-crash", "deposits").set("auto.commit.interval.ms", "3600000");
     let _running = Running::start(
         &db,
         config,
-        DepositHandler::new(1).holding(Duration::from_millis(10)),
+        DepositHandler::default()
+            .tagged(1)
+            .holding(Duration::from_millis(10)),
     );
     std::future::pending::<()>().await;
 }
@@ -417,7 +427,7 @@ async fn crash_between_database_commit_and_offset_commit() {
         .await
         .unwrap();
 
-    let handler = DepositHandler::new(2);
+    let handler = DepositHandler::default().tagged(2);
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-crash", &topic),
@@ -444,7 +454,7 @@ async fn crash_between_database_commit_and_offset_commit() {
     // Distinct messages, not calls: the two partitions' transactions update the same accounts,
     // and one that loses a deadlock runs its handlers again.
     assert_eq!(
-        handler.seen.lock().unwrap().len() as i64,
+        handler.seen().len() as i64,
         500 - applied,
         "the restart ran the handler only for messages the crashed consumer had not applied"
     );
@@ -478,7 +488,7 @@ async fn group_offsets_catch_up_with_the_database_positions_without_new_records(
         BTreeMap::from([(0, None), (1, None)])
     );
 
-    let handler = DepositHandler::new(2);
+    let handler = DepositHandler::default().tagged(2);
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-catch-up", &topic),
@@ -495,11 +505,7 @@ async fn group_offsets_catch_up_with_the_database_positions_without_new_records(
     }
     running.stop().await;
 
-    assert_eq!(
-        handler.calls.load(std::sync::atomic::Ordering::SeqCst),
-        0,
-        "nothing re-applied"
-    );
+    assert_eq!(handler.calls(), 0, "nothing re-applied");
     assert_eq!(
         group_offsets(&mock.bootstrap, "g-catch-up", &topic, 2),
         BTreeMap::from([(0, Some(20)), (1, Some(20))]),
@@ -515,7 +521,7 @@ async fn database_restore_reapplies_exactly_the_lost_messages() {
     let config = || kafka_config(&mock.bootstrap, "g-restore", &topic);
     let expected = producer.deposits(&topic, 3, "a", 300, 0).await;
 
-    let running = Running::start(&db, config(), DepositHandler::new(1));
+    let running = Running::start(&db, config(), DepositHandler::default().tagged(1));
     db.wait_applied(300, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     running.stop().await;
@@ -572,7 +578,7 @@ async fn database_restore_reapplies_exactly_the_lost_messages() {
     }
     assert_eq!(db.applied().await, 270);
 
-    let running = Running::start(&db, config(), DepositHandler::new(2));
+    let running = Running::start(&db, config(), DepositHandler::default().tagged(2));
     db.wait_applied(300, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.stop().await;
@@ -599,7 +605,7 @@ async fn malformed_payload_and_missing_id_are_dead_lettered() {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-dlq", &topic),
-        DepositHandler::new(1),
+        DepositHandler::default().tagged(1),
     );
     producer
         .send(&topic, Some(0), "k", Some("ok-1"), &deposit("acct-1", 5))
@@ -796,7 +802,7 @@ async fn the_source_starts_at_the_positions_of_the_consumer_it_is_given_to() {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-handover", &topic),
-        DepositHandler::new(1),
+        DepositHandler::default().tagged(1),
     );
     db.wait_applied(2, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;

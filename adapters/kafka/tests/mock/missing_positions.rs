@@ -21,7 +21,7 @@ async fn restored(name: &str) -> (Mock, String, TestDb, Published) {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, name, &topic),
-        DepositHandler::new(1),
+        DepositHandler::default().tagged(1),
     );
     db.wait_applied(40, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -97,7 +97,7 @@ async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, name, &topic).set("partition.assignment.strategy", strategy),
-        DepositHandler::new(2),
+        DepositHandler::default().tagged(2),
     );
     db.wait_applied(30, Duration::from_secs(30)).await;
     wait_for(
@@ -142,7 +142,7 @@ async fn missing_position_earliest_reapplies_everything_lost_once() {
     let (mock, topic, db, expected) = restored("earliest").await;
     let config =
         kafka_config(&mock.bootstrap, "earliest", &topic).on_missing_position(MissingPosition::Earliest);
-    let running = Running::start(&db, config, DepositHandler::new(2));
+    let running = Running::start(&db, config, DepositHandler::default().tagged(2));
     db.wait_applied(60, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.stop().await;
@@ -158,7 +158,7 @@ async fn missing_position_adopt_starts_at_the_group_offset() {
     let (mock, topic, db, _) = restored("adopt").await;
     let config =
         kafka_config(&mock.bootstrap, "adopt", &topic).on_missing_position(MissingPosition::AdoptGroupOffset);
-    let running = Running::start(&db, config, DepositHandler::new(2));
+    let running = Running::start(&db, config, DepositHandler::default().tagged(2));
     db.wait_applied(40, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     running.stop().await;
@@ -190,12 +190,12 @@ async fn a_second_group_under_one_consumer_name_is_fatal() {
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-first", &topic),
-        DepositHandler::new(1),
+        DepositHandler::default().tagged(1),
     );
     db.wait_applied(5, Duration::from_secs(30)).await;
     running.stop().await;
 
-    let handler = DepositHandler::new(2);
+    let handler = DepositHandler::default().tagged(2);
     let running = Running::start(
         &db,
         kafka_config(&mock.bootstrap, "g-second", &topic),
@@ -203,5 +203,5 @@ async fn a_second_group_under_one_consumer_name_is_fatal() {
     );
     let error = running.failure(Duration::from_secs(30)).await.to_string();
     assert!(error.contains("g-first") && error.contains("g-second"), "{error}");
-    assert_eq!(handler.calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(handler.calls(), 0);
 }

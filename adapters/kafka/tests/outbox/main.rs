@@ -19,8 +19,7 @@ use common::{header, init_tracing, read_all, Producer, TestDb};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::mocking::MockCluster;
 use rdkafka::ClientConfig;
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Executor, Postgres};
+use sqlx::{Executor, Postgres};
 use txinbox::outbox::{self, OutboxMessage, Relay, RelayConfig, ID_HEADER};
 use txinbox::{async_trait, sqlx, Context, Handler, HandlerError, IdStrategy, Message, RetryPolicy};
 use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource};
@@ -68,55 +67,14 @@ impl Drop for Mock {
     }
 }
 
-/// A database of its own prefix (`txinbox_kafka_outbox_t_`): other test processes' sweeps of
-/// `txinbox_kafka_t_*` never touch it. Leftovers of earlier runs nobody is connected to are
-/// dropped first; a passing test drops its own ([`drop_db`]).
+/// A scratch database (`txinbox_kafka_outbox_t_…`) with the demo tables; a passing test drops
+/// its own ([`drop_db`]).
 async fn outbox_db() -> TestDb {
-    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let admin: PgConnectOptions = common::admin_url().parse().expect("DATABASE_URL parses");
-    let mut conn = admin
-        .connect()
-        .await
-        .expect("connect to DATABASE_URL (is PostgreSQL running? scripts/test starts it)");
-    SWEPT
-        .get_or_init(|| async {
-            let stale: Vec<String> = sqlx::query_scalar(
-                "SELECT datname FROM pg_database d WHERE datname LIKE 'txinbox\\_kafka\\_outbox\\_t\\_%'
-                   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)",
-            )
-            .fetch_all(&mut admin.connect().await.unwrap())
-            .await
-            .unwrap();
-            let mut c = admin.connect().await.unwrap();
-            for db in stale {
-                let _ = c
-                    .execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
-                    .await;
-            }
-        })
-        .await;
-    let name = format!(
-        "txinbox_kafka_outbox_t_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    );
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    TestDb::open(&name, true).await
+    TestDb::create("txinbox_kafka_outbox_t").await
 }
 
 async fn drop_db(db: TestDb) {
-    db.pool.close().await;
-    let admin: PgConnectOptions = common::admin_url().parse().unwrap();
-    let mut c = admin.connect().await.unwrap();
-    let _ = c
-        .execute(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            db.name
-        )))
-        .await;
+    db.drop_db().await;
 }
 
 const ORDERS: &str = "orders";
@@ -316,7 +274,7 @@ async fn relay_child() {
         return;
     };
     init_tracing();
-    let db = TestDb::open(&db, false).await;
+    let db = TestDb::open(&db).await;
     let relay = Relay::new(db.pool.clone(), publisher(&brokers), relay_config("child", 10)).unwrap();
     relay.run_until(std::future::pending()).await.unwrap();
 }
