@@ -17,8 +17,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use txinbox::memory::MemoryBroker;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use txinbox::{
-    async_trait, BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Headers,
-    Message,
+    async_trait, handler::BatchContext, handler::BatchHandler, handler::BatchMessage, message::Headers,
+    Consumer, Context, Handler, HandlerError, Message,
 };
 
 /// The exporter behind the global subscriber: W3C propagator, SDK tracer provider, the
@@ -75,7 +75,7 @@ async fn test_db() -> PgPool {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
         .await
         .expect("connect to the test database");
-    txinbox::migrate(&pool).await.expect("migrate");
+    txinbox::postgres::migrate(&pool).await.expect("migrate");
     pool
 }
 

@@ -6,15 +6,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use txinbox::{
-    Claim, DeadLetterOutcome, DeadLetterReason, DeadLetterRecord, Entry, Headers, IdStrategy, InboxStatus,
-    InboxStore, Message, Origin, Position,
+    message::Headers, message::Origin, store::Claim, store::DeadLetterOutcome, store::DeadLetterRecord,
+    store::Entry, store::InboxStatus, DeadLetterReason, IdStrategy, InboxStore, Message, Position,
 };
 
 /// A message at a source position of its own: the same ID and payload give the same offset
 /// (a redelivery of one record), anything else another (another record).
 fn message(id: &str, payload: &'static str) -> Message {
     let offset = i64::from_le_bytes(
-        txinbox::Fingerprint::PayloadBytes.of(&Message::new(
+        txinbox::message::Fingerprint::PayloadBytes.of(&Message::new(
             format!("{id}\0{payload}"),
             Origin::new("memory", "orders"),
         ))[..8]
@@ -37,7 +37,7 @@ impl Keyed {
     fn new(id: &str, payload: &'static str) -> Keyed {
         let msg = message(id, payload);
         let id = IdStrategy::Native.derive(&msg).unwrap();
-        let fp = txinbox::Fingerprint::PayloadBytes.of(&msg);
+        let fp = txinbox::message::Fingerprint::PayloadBytes.of(&msg);
         Keyed { msg, id, fp }
     }
     fn entry<'a>(&'a self, consumer: &'a str) -> Entry<'a> {
@@ -562,7 +562,7 @@ async fn postgres_store_conforms() {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
     let count_pool = pool.clone();
     suite(
         Arc::new(txinbox::PostgresInbox::new(pool.clone())),
@@ -607,8 +607,8 @@ async fn sqlite_store_conforms() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let store = txinbox::SqliteInbox::open(dir.join("inbox.db"), 4).await.unwrap();
-    txinbox::migrate_sqlite(store.pool()).await.unwrap();
-    txinbox::migrate_sqlite(store.pool())
+    txinbox::sqlite::migrate(store.pool()).await.unwrap();
+    txinbox::sqlite::migrate(store.pool())
         .await
         .expect("re-running is a no-op");
     let pool = store.pool().clone();

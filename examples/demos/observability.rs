@@ -92,7 +92,7 @@ async fn main() -> anyhow::Result<()> {
     let inbox = PostgresInbox::connect(&args.database_url, 10)
         .await
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
-    txinbox::migrate(inbox.pool()).await?;
+    txinbox::postgres::migrate(inbox.pool()).await?;
     create_tables(inbox.pool()).await?;
     let config = KafkaConfig::new(&args.brokers, &args.group, &args.consumer_name).topic(&args.topic);
     let consumer = Consumer::builder(&args.consumer_name)

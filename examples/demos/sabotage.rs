@@ -8,8 +8,8 @@
 //! database-outage run, which must then fail ("acknowledged during the outage", lost events).
 
 use txinbox::{
-    async_trait, Capabilities, Delivery, Lane, Message, MessageSource, Position, SettleError, Settlement,
-    SourceError,
+    async_trait, source::Capabilities, source::Lane, source::SettleError, source::Settlement,
+    source::SourceError, Delivery, Message, MessageSource, Position,
 };
 
 /// The environment variable that turns the sabotage on (value: `ack-before-commit`).

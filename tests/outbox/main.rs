@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Executor};
 use txinbox::outbox::{self, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-use txinbox::{async_trait, Headers, RetryPolicy};
+use txinbox::{async_trait, message::Headers, RetryPolicy};
 
 #[cfg(feature = "sqlite")]
 mod sqlite;
@@ -60,7 +60,7 @@ async fn test_db() -> PgPool {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
         .await
         .expect("connect to the test database");
-    txinbox::migrate(&pool).await.expect("migrate");
+    txinbox::postgres::migrate(&pool).await.expect("migrate");
     pool
 }
 

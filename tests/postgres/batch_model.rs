@@ -19,7 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use proptest::prelude::*;
-use txinbox::{BatchContext, BatchHandler, BatchMessage, Context, Handler, Message};
+use txinbox::{
+    handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Context, Handler, Message,
+};
 
 use super::*;
 

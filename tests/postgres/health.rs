@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use metrics_util::debugging::DebugValue;
 use txinbox::health::{BrokerStatus, Health, HealthReport, RunState, SourceHealth};
 use txinbox::memory::{MemoryDelivery, MemorySource};
-use txinbox::{Capabilities, MessageSource, SourceError};
+use txinbox::{source::Capabilities, source::SourceError, MessageSource};
 
 use super::metrics::snapshotter;
 use super::*;

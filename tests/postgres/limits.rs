@@ -195,7 +195,7 @@ async fn a_processed_message_over_the_limit_when_read_again_is_too_large_not_a_c
             .source(broker.source())
             .inbox(db.inbox())
             .handler(DepositHandler::default())
-            .fingerprint(txinbox::Fingerprint::CanonicalJson)
+            .fingerprint(txinbox::message::Fingerprint::CanonicalJson)
             .max_message_bytes(150)
             .build()
             .unwrap()

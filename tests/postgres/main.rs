@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, DeadLetterReason, Error, HandlerError, Headers, IdStrategy, RetryPolicy};
+use txinbox::{message::Headers, Consumer, DeadLetterReason, Error, HandlerError, IdStrategy, RetryPolicy};
 
 use support::{deposit, DepositHandler, PrivateCluster, TestDb};
 
@@ -471,7 +471,7 @@ async fn graceful_shutdown_settles_everything_it_received() {
 async fn in_place_retries_hold_the_lane_and_keep_order() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
     broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
     broker.close();
@@ -538,7 +538,10 @@ async fn a_missing_schema_stops_the_consumer_with_a_clear_error() {
         .run()
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("run txinbox::migrate"), "{err}");
+    assert!(
+        err.to_string().contains("run txinbox::postgres::migrate"),
+        "{err}"
+    );
     assert_eq!(broker.stats().acked, 0);
     assert_eq!(broker.pending(), 1, "the message is still there");
 }
@@ -552,7 +555,9 @@ mod migrations {
         let ledger = "SELECT count(*) FROM txinbox._sqlx_migrations";
         let applied = db.scalar(ledger).await;
         assert!(applied >= 1);
-        txinbox::migrate(&db.pool).await.expect("re-running is a no-op");
+        txinbox::postgres::migrate(&db.pool)
+            .await
+            .expect("re-running is a no-op");
         assert_eq!(db.scalar(ledger).await, applied);
 
         // The application's own sqlx migrations, in the default public ledger.
@@ -565,7 +570,7 @@ mod migrations {
         .unwrap();
         let app = sqlx::migrate::Migrator::new(dir.as_path()).await.unwrap();
         app.run(&db.pool).await.expect("the app migrates beside txinbox");
-        txinbox::migrate(&db.pool)
+        txinbox::postgres::migrate(&db.pool)
             .await
             .expect("txinbox still migrates after the app");
         app.run(&db.pool)
@@ -722,7 +727,7 @@ mod review_regressions {
     async fn a_lane_does_not_overtake_a_delivery_left_unsettled_at_shutdown() {
         let db = TestDb::new(10).await;
         let broker = MemoryBroker::new("payments");
-        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
         broker.publish_in_lane("p0", "evt-0", deposit("alice", 1, "p0", 0));
         broker.publish_in_lane("p0", "evt-1", deposit("alice", 1, "p0", 1));
         let handler = DepositHandler::failing(|m, _| {
@@ -760,7 +765,7 @@ mod review_regressions {
     async fn a_lane_waiting_to_retry_does_not_hold_back_other_lanes() {
         let db = TestDb::new(10).await;
         let broker = MemoryBroker::new("payments");
-        broker.set_retry_mode(txinbox::RetryMode::InPlace);
+        broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
         broker.publish_in_lane("a", "a-0", deposit("alice", 1, "a", 0));
         for i in 0..5 {
             broker.publish_in_lane("b", format!("b-{i}"), deposit("bob", 1, "b", i));
@@ -806,7 +811,9 @@ mod batching {
     use std::sync::{Arc, Mutex};
 
     use sqlx::Postgres;
-    use txinbox::{BatchContext, BatchHandler, BatchMessage, Context, Handler, Message};
+    use txinbox::{
+        handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Context, Handler, Message,
+    };
 
     use super::*;
 

@@ -4,8 +4,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use txinbox::{Capabilities, Delivery, InboxStore, Lane, Message, MessageSource, Origin, Position};
-use txinbox::{RetryMode, SettleError, Settlement, SourceError};
+use txinbox::{
+    message::Origin, source::Capabilities, source::Lane, Delivery, InboxStore, Message, MessageSource,
+    Position,
+};
+use txinbox::{source::RetryMode, source::SettleError, source::Settlement, source::SourceError};
 
 use super::*;
 

@@ -73,7 +73,7 @@ impl TestDb {
             .connect_with(txinbox::PostgresInbox::connect_options(options))
             .await
             .expect("connect to the test database");
-        txinbox::migrate(&pool).await.expect("migrate");
+        txinbox::postgres::migrate(&pool).await.expect("migrate");
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
              CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,

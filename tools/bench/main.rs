@@ -55,9 +55,9 @@ use txinbox::memory::MemoryBroker;
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use txinbox::sqlx::{self, ConnectOptions, Executor, Postgres};
 use txinbox::{
-    async_trait, BatchContext, BatchHandler, BatchMessage, Capabilities, Consumer, Context, Delivery,
-    Handler, HandlerError, IdStrategy, Lane, Message, MessageSource, Position, PostgresInbox, SettleError,
-    Settlement, SourceError,
+    async_trait, handler::BatchContext, handler::BatchHandler, handler::BatchMessage, source::Capabilities,
+    source::Lane, source::SettleError, source::Settlement, source::SourceError, Consumer, Context, Delivery,
+    Handler, HandlerError, IdStrategy, Message, MessageSource, Position, PostgresInbox,
 };
 
 /// The memory source's window: it has no broker latency to cover.
@@ -89,10 +89,10 @@ fn parse_args() -> anyhow::Result<Args> {
         messages: 50_000,
         per_message: 0,
         sources: vec!["memory".into(), "kafka".into(), "amqp".into()],
-        batch_size: txinbox::DEFAULT_BATCH_SIZE,
-        linger_ms: txinbox::DEFAULT_BATCH_LINGER.as_millis() as u64,
-        concurrency: txinbox::DEFAULT_CONCURRENCY,
-        max_in_flight: txinbox::DEFAULT_MAX_IN_FLIGHT,
+        batch_size: txinbox::consumer::DEFAULT_BATCH_SIZE,
+        linger_ms: txinbox::consumer::DEFAULT_BATCH_LINGER.as_millis() as u64,
+        concurrency: txinbox::consumer::DEFAULT_CONCURRENCY,
+        max_in_flight: txinbox::consumer::DEFAULT_MAX_IN_FLIGHT,
         window: None,
         partitions: 8,
         json: None,
@@ -1484,7 +1484,7 @@ async fn main() -> anyhow::Result<()> {
             .max_connections(args.concurrency as u32 + 2)
             .connect_with(PostgresInbox::connect_options(options))
             .await?;
-        txinbox::migrate(&pool).await?;
+        txinbox::postgres::migrate(&pool).await?;
         pool.execute(
             "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
              CREATE SEQUENCE bench_pgb_seq;

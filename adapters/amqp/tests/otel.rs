@@ -95,7 +95,7 @@ async fn a_producer_trace_runs_through_the_consumer_and_the_relayed_message() {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&db)))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
 
     let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await

@@ -67,7 +67,7 @@ async fn db() -> PgPool {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
     pool.execute(
         "CREATE TABLE payments (payment_id text PRIMARY KEY, amount bigint NOT NULL);
          CREATE TABLE downstream (seq bigserial PRIMARY KEY, message_id text NOT NULL, payload text NOT NULL);",

@@ -67,7 +67,7 @@ async fn a_callers_traceparent_reaches_the_layer_span_and_the_outbox_row() {
         .connect_with(admin.database(&name))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
 
     let layer = IdempotencyLayer::new(pool.clone()).principal(|_| Some("tenant".into()));
     let app = Router::new().route("/orders", post(place).layer(layer));

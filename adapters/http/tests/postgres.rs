@@ -68,7 +68,7 @@ async fn db(max_connections: u32) -> PgPool {
         .connect_with(admin.database(&name))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
     pool.execute(
         "CREATE TABLE effects (seq bigserial PRIMARY KEY, principal text NOT NULL, route text NOT NULL,
                                amount bigint NOT NULL, derived_id text)",

@@ -2,7 +2,7 @@
 //! (and records which consumer group reads a topic under the consumer's name).
 
 use futures::future::BoxFuture;
-use txinbox::{InboxStore, StoreError};
+use txinbox::{store::StoreError, InboxStore};
 
 /// Where a source reads the positions its consumer stored with its effects.
 ///

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use tokio::sync::{mpsc, oneshot};
-use txinbox::{Capabilities, IdStrategy, MessageSource, RetryMode, SourceError};
+use txinbox::{source::Capabilities, source::RetryMode, source::SourceError, IdStrategy, MessageSource};
 
 use crate::config::{masked_error, KafkaConfig};
 use crate::delivery::KafkaDelivery;

@@ -10,7 +10,7 @@ use rdkafka::producer::FutureProducer;
 use txinbox::Message;
 
 use crate::config::KafkaConfig;
-use crate::metrics_names;
+use crate::telemetry;
 use crate::tracker::{Generation, Partition};
 
 /// State shared by the source, the poller thread, the rebalance callback and the deliveries.
@@ -84,7 +84,7 @@ impl State {
 
     pub(crate) fn count_blocked(&self, topic: &str, blocked: bool) {
         let gauge = metrics::gauge!(
-            metrics_names::PARTITIONS_BLOCKED,
+            telemetry::PARTITIONS_BLOCKED,
             "consumer" => self.consumer.to_string(),
             "topic" => topic.to_owned()
         );

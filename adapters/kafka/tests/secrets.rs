@@ -4,7 +4,7 @@
 //! Needs no broker and no database: nothing connects.
 
 use futures::future::BoxFuture;
-use txinbox::StoreError;
+use txinbox::store::StoreError;
 use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, PositionStore};
 
 const SECRET: &str = "s3cr3t-XYZ";

@@ -106,7 +106,7 @@ impl TestDb {
         if !setup {
             return TestDb { pool, url };
         }
-        txinbox::migrate(&pool).await.expect("migrate");
+        txinbox::postgres::migrate(&pool).await.expect("migrate");
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
              CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
@@ -537,7 +537,7 @@ impl SqliteDb {
         let inbox = txinbox::SqliteInbox::open(&path, 4)
             .await
             .expect("open the SQLite file");
-        txinbox::migrate_sqlite(inbox.pool())
+        txinbox::sqlite::migrate(inbox.pool())
             .await
             .expect("migrate SQLite");
         SqliteDb {

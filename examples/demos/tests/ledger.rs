@@ -47,7 +47,7 @@ impl TestDb {
             .connect_with(PostgresInbox::connect_options(admin.clone().database(&name)))
             .await
             .unwrap();
-        txinbox::migrate(&pool).await.unwrap();
+        txinbox::postgres::migrate(&pool).await.unwrap();
         TestDb { admin, name, pool }
     }
 

@@ -20,7 +20,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Executor, Postgres};
 use txinbox::outbox::{self, OutboxMessage, Publisher, Relay, RelayConfig, ID_HEADER};
 use txinbox::{async_trait, Context, Handler, HandlerError, Message, RetryPolicy};
-use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource, KEY_HEADER};
+use txinbox_amqp::headers::KEY as KEY_HEADER;
+use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
 
 fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
@@ -57,7 +58,7 @@ async fn create_db() -> (PgPool, String) {
         .await
         .unwrap();
     let pool = open_db(&name).await;
-    txinbox::migrate(&pool).await.expect("migrate");
+    txinbox::postgres::migrate(&pool).await.expect("migrate");
     pool.execute(
         "CREATE TABLE a_orders (order_id text PRIMARY KEY, customer text NOT NULL);
          CREATE TABLE b_effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, customer text,

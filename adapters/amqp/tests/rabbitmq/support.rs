@@ -16,8 +16,9 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Executor, Postgres};
 use txinbox::{
-    async_trait, Capabilities, Consumer, Context, Delivery, Handler, HandlerError, Lane, Message,
-    MessageSource, RetryPolicy, SettleError, Settlement, SourceError,
+    async_trait, source::Capabilities, source::Lane, source::SettleError, source::Settlement,
+    source::SourceError, Consumer, Context, Delivery, Handler, HandlerError, Message, MessageSource,
+    RetryPolicy,
 };
 use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
 
@@ -105,7 +106,7 @@ impl TestDb {
             .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
             .await
             .expect("connect to the test database");
-        txinbox::migrate(&pool).await.expect("migrate");
+        txinbox::postgres::migrate(&pool).await.expect("migrate");
         pool.execute(
             "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
              CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, amount bigint NOT NULL);
@@ -244,7 +245,7 @@ impl Handler<Postgres> for DepositHandler {
             attempt: cx.attempt(),
             retry_header: msg
                 .headers()
-                .get_str(txinbox_amqp::RETRY_HEADER)
+                .get_str(txinbox_amqp::headers::RETRY)
                 .map(str::to_owned),
         });
         if let Some(e) = (self.fail)(msg, cx.attempt()) {

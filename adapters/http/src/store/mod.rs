@@ -73,7 +73,7 @@ mod sealed {
 }
 
 /// A database that can hold idempotency records: `sqlx::Postgres` or `sqlx::Sqlite`
-/// (sealed). Run `txinbox::migrate` / `txinbox::migrate_sqlite` first.
+/// (sealed). Run `txinbox::postgres::migrate` / `txinbox::sqlite::migrate` first.
 ///
 /// | | PostgreSQL | SQLite |
 /// |---|---|---|

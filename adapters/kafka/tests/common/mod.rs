@@ -90,7 +90,7 @@ impl TestDb {
             .await
             .expect("connect to the test database");
         if setup {
-            txinbox::migrate(&pool).await.expect("migrate");
+            txinbox::postgres::migrate(&pool).await.expect("migrate");
             pool.execute(
                 "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL);
                  CREATE TABLE effects (seq bigserial PRIMARY KEY, message_id text NOT NULL,

@@ -672,7 +672,7 @@ async fn malformed_payload_and_missing_id_are_dead_lettered() {
 /// delivery dropped unsettled, and later deliveries of that partition withhold their position.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_delivery_leaves_its_offset_unstored() {
-    use txinbox::{Delivery, MessageSource, Settlement};
+    use txinbox::{source::Settlement, Delivery, MessageSource};
     let (mock, topic) = setup(1);
     let db = TestDb::new().await;
     let producer = Producer::new(&mock.bootstrap);
