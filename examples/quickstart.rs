@@ -262,7 +262,7 @@ async fn on_sqlite(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error:
     std::fs::create_dir_all(&dir)?;
     let store = SqliteInbox::open(dir.join("inbox.db"), 4).await?;
     let pool = store.pool().clone();
-    txinbox::migrate_sqlite(&pool).await?;
+    txinbox::sqlite::migrate(&pool).await?;
     sqlx::raw_sql("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)")
         .execute(&pool)
         .await?;
@@ -311,7 +311,7 @@ async fn on_postgres(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::erro
         .max_connections(10)
         .connect_with(options)
         .await?;
-    txinbox::migrate(&pool).await?;
+    txinbox::postgres::migrate(&pool).await?;
     sqlx::raw_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .execute(&pool)
         .await?;

@@ -27,7 +27,7 @@ impl fmt::Display for Error {
             Error::Source(e) => write!(f, "consumer stopped: {e}"),
             Error::Store(e) => write!(
                 f,
-                "consumer stopped: {e} (if a table is missing, run txinbox::migrate first)"
+                "consumer stopped: {e} (if a table is missing, run txinbox::postgres::migrate first)"
             ),
         }
     }

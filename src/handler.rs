@@ -213,7 +213,7 @@ impl HandlerError {
     }
 
     /// Whether the error is a database lock conflict rather than the message's fault (see
-    /// [`StoreError::is_contention`](crate::StoreError::is_contention)): the error, or one of
+    /// [`StoreError::is_contention`](crate::store::StoreError::is_contention)): the error, or one of
     /// its causes, is a `sqlx::Error` that lost a lock conflict, or such a `StoreError`. A
     /// handler that propagates its database errors with `?` gets this for free; one that
     /// wraps them must keep them as the error's `source()`.
@@ -223,7 +223,7 @@ impl HandlerError {
             if let Some(e) = e.downcast_ref::<sqlx::Error>() {
                 return crate::store::is_lock_conflict(e);
             }
-            if let Some(e) = e.downcast_ref::<crate::StoreError>() {
+            if let Some(e) = e.downcast_ref::<crate::store::StoreError>() {
                 return e.is_contention();
             }
             cause = e.source();
@@ -284,7 +284,7 @@ impl fmt::Display for HandlerError {
 /// therefore have the same effect as calling `handle` for each message in order.
 ///
 /// ```no_run
-/// use txinbox::{BatchContext, BatchHandler, BatchMessage, Context, Handler, HandlerError, Message};
+/// use txinbox::{handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Context, Handler, HandlerError, Message};
 ///
 /// struct Effects;
 ///

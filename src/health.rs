@@ -210,7 +210,7 @@ impl SourceHealth {
     }
 
     /// Reports the lanes the broker assigned to this member (the same keys as
-    /// [`Lane::Ordered`](crate::Lane::Ordered)); replaces the previous report.
+    /// [`Lane::Ordered`](crate::source::Lane::Ordered)); replaces the previous report.
     pub fn set_assigned<I, L>(&self, lanes: I)
     where
         I: IntoIterator<Item = L>,

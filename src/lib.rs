@@ -26,15 +26,18 @@
 //! # Pieces
 //!
 //! - [`MessageSource`] / [`Delivery`]: what a broker adapter implements (`txinbox-kafka`,
-//!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`).
+//!   `txinbox-amqp`, or [`memory::MemoryBroker`] with feature `memory`); the rest of an adapter
+//!   author's vocabulary is in [`source`].
 //! - [`Handler`] / [`Context`] / [`HandlerError`]: your code, given the open transaction;
 //!   [`Router`] to run several handlers in one consumer, by message type or destination.
-//! - [`BatchHandler`]: optional bulk form of a handler for micro-batches (one `UNNEST` or
+//! - [`handler::BatchHandler`]: optional bulk form of a handler for micro-batches (one `UNNEST` or
 //!   `COPY` for all new messages of a batch); batching itself is on by default
 //!   ([`ConsumerBuilder::batch_size`]).
-//! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`) or
-//!   [`SqliteInbox`] (feature `sqlite`).
-//! - [`RetryPolicy`], [`IdStrategy`], [`Fingerprint`]: the knobs.
+//! - [`InboxStore`]: where the inbox lives; [`PostgresInbox`] (feature `postgres`, module
+//!   [`postgres`] with its migrations) or [`SqliteInbox`] (feature `sqlite`, module [`sqlite`]);
+//!   what a store implementation works with is in [`store`].
+//! - [`RetryPolicy`], [`IdStrategy`], [`message::Fingerprint`]: the knobs; the defaults are in
+//!   [`consumer`].
 //! - [`redact`]: how connection strings and secret properties are kept out of logs and errors.
 //! - [`ops`] (feature `postgres`): the operator queries behind the `txinbox` CLI (status,
 //!   retention, replay positions, dead letters).
@@ -43,8 +46,8 @@
 //!
 //! | feature | default | what |
 //! |---|---|---|
-//! | `postgres` | yes | [`PostgresInbox`], [`migrate`] |
-//! | `sqlite` | yes | [`SqliteInbox`], [`migrate_sqlite`]: the embedded store (bundled SQLite) |
+//! | `postgres` | yes | [`PostgresInbox`], [`postgres::migrate`] |
+//! | `sqlite` | yes | [`SqliteInbox`], [`sqlite::migrate`]: the embedded store (bundled SQLite) |
 //! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
 //! | `otel` | no | [`otel`]: W3C trace context across hops: a delivery's span is a child of the producer's, outbox rows carry the writer's context to the next consumer |
 //! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
@@ -59,24 +62,42 @@
 //! (`messaging.system`, `messaging.destination.name`, `messaging.message.id`,
 //! `messaging.consumer.group.name`, partition and offset where known) plus `txinbox.attempt` and
 //! `txinbox.outcome`. With feature `otel` the span continues the producer's trace (`traceparent`
-//! header) and outbox messages carry it on (see [`otel`]). Metrics go through the `metrics` facade; see [`telemetry`] for names. The
-//! library never installs a subscriber, recorder or exporter.
+//! header) and outbox messages carry it on (see [`otel`]). Metrics go through the `metrics`
+//! facade; see [`telemetry`] for names. The library never installs a subscriber, recorder or
+//! exporter.
+//!
+//! # The root and the modules
+//!
+//! The root holds what every user of the crate names: the consumer, the handler, the message,
+//! the stores, the errors. Everything else sits in a module by concern, as in sqlx:
+//! [`consumer`] (defaults), [`handler`] (batch forms), [`message`] (identity, fingerprint,
+//! headers, origin), [`source`] (what an adapter implements and reports), [`store`] (what an
+//! inbox store implements), [`postgres`] and [`sqlite`] (the stores and their migrations),
+//! [`outbox`], [`health`], [`telemetry`], [`redact`], [`ops`].
 
-mod consumer;
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Library crates only: a `pub` item must be reachable from the crate root, so the public API
+// is what the root and its public modules show (tests, tools and binaries have none).
+#![warn(unreachable_pub)]
+
+pub mod consumer;
+#[cfg(feature = "crash-points")]
 pub mod crash;
-mod dead_letter;
+#[cfg(not(feature = "crash-points"))]
+pub(crate) mod crash;
+pub mod dead_letter;
 mod error;
-mod handler;
+pub mod handler;
 pub mod health;
-mod message;
+pub mod message;
 #[cfg(feature = "postgres")]
 pub mod ops;
-mod position;
+pub mod position;
 pub mod redact;
-mod retry;
+pub mod retry;
 mod router;
-mod source;
-mod store;
+pub mod source;
+pub mod store;
 pub mod telemetry;
 
 #[cfg(feature = "memory")]
@@ -86,30 +107,37 @@ pub mod otel;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub mod outbox;
 
-pub use consumer::{
-    Consumer, ConsumerBuilder, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
-};
-pub use consumer::{DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE};
-pub use dead_letter::{DeadLetter, DeadLetterReason};
+/// The PostgreSQL inbox store and its embedded migrations (feature `postgres`).
+///
+/// The migrations create schema [`SCHEMA`](crate::postgres::SCHEMA) and keep their ledger in
+/// `txinbox._sqlx_migrations`, apart from the application's own.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use crate::store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+}
+
+/// The embedded SQLite inbox store and its migrations (feature `sqlite`).
+///
+/// The migrations keep their ledger in `txinbox_sqlx_migrations`, apart from the
+/// application's own `_sqlx_migrations`.
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use crate::store::sqlite::{migrate, migrator, SqliteInbox};
+}
+
+pub use consumer::{Consumer, ConsumerBuilder};
 pub use error::Error;
-pub use handler::{BatchContext, BatchHandler, BatchMessage};
 pub use handler::{Context, Handler, HandlerError};
-pub use message::{Fingerprint, Headers, IdError, IdStrategy, Message, MessageId, Origin, MAX_ID_LEN};
-pub use position::{ConsumerPositions, Position, PositionStore};
-pub use retry::{Backoff, RetryPolicy};
+pub use message::{IdStrategy, Message, MessageId};
+pub use retry::RetryPolicy;
 pub use router::Router;
-pub use source::{
-    Capabilities, Delivery, Lane, MessageSource, RetryMode, SettleError, Settlement, SourceError,
-};
-pub use store::{
-    is_lock_conflict, Claim, Connection, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStatus, InboxStore,
-    StoreError, MAX_ERROR_LEN,
-};
+pub use source::{Delivery, MessageSource};
+pub use store::InboxStore;
 
 #[cfg(feature = "postgres")]
-pub use store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+pub use store::postgres::PostgresInbox;
 #[cfg(feature = "sqlite")]
-pub use store::sqlite::{migrate_sqlite, sqlite_migrator, SqliteInbox};
+pub use store::sqlite::SqliteInbox;
 
 /// Re-exported so handlers and adapters use the same versions as txinbox.
 pub use async_trait::async_trait;

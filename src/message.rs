@@ -395,10 +395,10 @@ pub enum IdError {
 
 impl IdError {
     /// The dead-letter reason: `missing_id` or `invalid_id`.
-    pub fn reason(&self) -> crate::DeadLetterReason {
+    pub fn reason(&self) -> crate::dead_letter::DeadLetterReason {
         match self {
-            IdError::Missing { .. } => crate::DeadLetterReason::MissingId,
-            IdError::Invalid { .. } => crate::DeadLetterReason::InvalidId,
+            IdError::Missing { .. } => crate::dead_letter::DeadLetterReason::MissingId,
+            IdError::Invalid { .. } => crate::dead_letter::DeadLetterReason::InvalidId,
         }
     }
 }
@@ -644,10 +644,10 @@ mod tests {
         let header = IdStrategy::Header("x-id".into());
         assert_eq!(header.derive(&with("ok")).unwrap().as_str(), "ok");
         let nul = header.derive(&with("a\0b")).unwrap_err();
-        assert_eq!(nul.reason(), crate::DeadLetterReason::InvalidId);
+        assert_eq!(nul.reason(), crate::dead_letter::DeadLetterReason::InvalidId);
         assert!(nul.to_string().contains("NUL"), "{nul}");
         let long = header.derive(&with(&"x".repeat(MAX_ID_LEN + 1))).unwrap_err();
-        assert_eq!(long.reason(), crate::DeadLetterReason::InvalidId);
+        assert_eq!(long.reason(), crate::dead_letter::DeadLetterReason::InvalidId);
         assert!(long.to_string().contains("1025 bytes"), "{long}");
         assert!(
             header.derive(&with(&"x".repeat(MAX_ID_LEN))).is_ok(),
@@ -655,7 +655,7 @@ mod tests {
         );
         assert_eq!(
             header.derive(&msg(b"{}")).unwrap_err().reason(),
-            crate::DeadLetterReason::MissingId
+            crate::dead_letter::DeadLetterReason::MissingId
         );
     }
 

@@ -10,9 +10,9 @@
 //!   and the next consumer continues the same trace. A message whose headers already carry a
 //!   `traceparent` keeps it. The context is the span current at the write: in a
 //!   [`Handler`](crate::Handler) that is the delivery's `txinbox.process` span; a
-//!   [`BatchHandler`](crate::BatchHandler) runs for several deliveries at once, so its rows
+//!   [`BatchHandler`](crate::handler::BatchHandler) runs for several deliveries at once, so its rows
 //!   carry the span current around the batch call, unless it runs the write in the
-//!   message's span ([`BatchMessage::span`](crate::BatchMessage::span)).
+//!   message's span ([`BatchMessage::span`](crate::handler::BatchMessage::span)).
 //!
 //! Parent, not link: the OpenTelemetry messaging conventions recommend a link to the creation
 //! context for a process span and allow the creation context as its parent when the span

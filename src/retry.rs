@@ -81,7 +81,7 @@ impl RetryPolicy {
 ///
 /// ```
 /// use std::time::Duration;
-/// use txinbox::Backoff;
+/// use txinbox::retry::Backoff;
 ///
 /// let backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 /// assert_eq!(backoff.ceiling(3), Duration::from_millis(400));

@@ -55,10 +55,10 @@ fn check(name: &str, actual: Vec<(i64, String)>, frozen: &[(i64, &str)]) {
 
 #[test]
 fn released_postgres_migrations_are_never_edited() {
-    check("PostgreSQL", listed(&txinbox::migrator()), POSTGRES);
+    check("PostgreSQL", listed(&txinbox::postgres::migrator()), POSTGRES);
 }
 
 #[test]
 fn released_sqlite_migrations_are_never_edited() {
-    check("SQLite", listed(&txinbox::sqlite_migrator()), SQLITE);
+    check("SQLite", listed(&txinbox::sqlite::migrator()), SQLITE);
 }

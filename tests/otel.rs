@@ -16,8 +16,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use txinbox::memory::MemoryBroker;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use txinbox::{
-    async_trait, BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Headers,
-    Message,
+    async_trait, handler::BatchContext, handler::BatchHandler, handler::BatchMessage, message::Headers,
+    Consumer, Context, Handler, HandlerError, Message,
 };
 use txinbox_testing::database::TestDatabase;
 

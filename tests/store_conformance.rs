@@ -32,7 +32,7 @@ async fn postgres_store_conforms() {
         .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
         .await
         .unwrap();
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
     let count_pool = pool.clone();
     contract(
         Arc::new(txinbox::PostgresInbox::new(pool.clone())),
@@ -77,8 +77,8 @@ async fn sqlite_store_conforms() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let store = txinbox::SqliteInbox::open(dir.join("inbox.db"), 4).await.unwrap();
-    txinbox::migrate_sqlite(store.pool()).await.unwrap();
-    txinbox::migrate_sqlite(store.pool())
+    txinbox::sqlite::migrate(store.pool()).await.unwrap();
+    txinbox::sqlite::migrate(store.pool())
         .await
         .expect("re-running is a no-op");
     let pool = store.pool().clone();

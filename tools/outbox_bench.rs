@@ -90,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
             admin.clone().database(&db),
         ))
         .await?;
-    txinbox::migrate(&pool).await?;
+    txinbox::postgres::migrate(&pool).await?;
 
     let stamp = std::process::id();
     let kafka = match std::env::var("KAFKA_BROKERS") {

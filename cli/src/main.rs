@@ -26,7 +26,7 @@ use txinbox::ops::Db;
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use txinbox::sqlx::{ConnectOptions as _, Connection as _};
-use txinbox::{Fingerprint, IdStrategy};
+use txinbox::{message::Fingerprint, IdStrategy};
 
 use error::{exit, CliError};
 #[cfg(not(feature = "kafka"))]
@@ -618,8 +618,8 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
     match command {
         Command::Migrate => {
             match env.db(true).await? {
-                Store::Postgres(pool) => txinbox::migrate(&pool).await,
-                Store::Sqlite(pool) => txinbox::migrate_sqlite(&pool).await,
+                Store::Postgres(pool) => txinbox::postgres::migrate(&pool).await,
+                Store::Sqlite(pool) => txinbox::sqlite::migrate(&pool).await,
             }
             .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
             Ok(Report::ok(

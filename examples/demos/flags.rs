@@ -21,7 +21,7 @@ pub struct Postgres {
 /// `--brokers` / `KAFKA_BROKERS`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Kafka {
-    /// Kafka: bootstrap brokers, host:port[,host:port] (use 127.0.0.1 rather than localhost for
+    /// Kafka: bootstrap brokers, comma-separated host:port (use 127.0.0.1 rather than localhost for
     /// brokers that listen on IPv4 only).
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,

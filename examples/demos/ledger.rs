@@ -109,7 +109,7 @@ async fn main() -> anyhow::Result<()> {
     let inbox = PostgresInbox::connect(&args.postgres.database_url, 10)
         .await
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
-    txinbox::migrate(inbox.pool())
+    txinbox::postgres::migrate(inbox.pool())
         .await
         .context("applying txinbox's migrations failed")?;
     create_tables(inbox.pool())

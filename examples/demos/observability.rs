@@ -86,7 +86,7 @@ async fn main() -> anyhow::Result<()> {
     let inbox = PostgresInbox::connect(&args.postgres.database_url, 10)
         .await
         .context("connecting to PostgreSQL failed; check --database-url / DATABASE_URL")?;
-    txinbox::migrate(inbox.pool()).await?;
+    txinbox::postgres::migrate(inbox.pool()).await?;
     create_tables(inbox.pool()).await?;
     let config = KafkaConfig::new(&args.kafka.brokers, &args.group).topic(&args.topic);
     let consumer = Consumer::builder(&args.consumer_name)

@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use txinbox::sqlx::{self, PgPool, Postgres};
 use txinbox::{
-    async_trait, BatchContext, BatchHandler, BatchMessage, Context, Handler, HandlerError, Message,
+    async_trait, handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Context, Handler,
+    HandlerError, Message,
 };
 
 /// A payment event, the message payload: `{"account": "<id>", "amount_cents": <i64>}`.

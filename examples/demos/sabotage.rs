@@ -8,8 +8,8 @@
 //! database-outage run, which must then fail ("acknowledged during the outage", lost events).
 
 use txinbox::{
-    async_trait, Capabilities, Delivery, Lane, Message, MessageSource, Position, SettleError, Settlement,
-    SourceError,
+    async_trait, position::Position, source::Capabilities, source::Lane, source::SettleError,
+    source::Settlement, source::SourceError, Delivery, Message, MessageSource,
 };
 
 /// The environment variable that turns the sabotage on (value: `ack-before-commit`).
@@ -92,7 +92,7 @@ impl<S: MessageSource> MessageSource for AckOnReceive<S> {
         self.inner.attach_health(health);
     }
 
-    fn attach_positions(&mut self, positions: txinbox::ConsumerPositions) {
+    fn attach_positions(&mut self, positions: txinbox::position::ConsumerPositions) {
         self.inner.attach_positions(positions);
     }
 

@@ -141,7 +141,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     }
 
     /// How message IDs are derived. Default: the source's
-    /// [`default_id_strategy`](crate::Capabilities::default_id_strategy).
+    /// [`default_id_strategy`](crate::source::Capabilities::default_id_strategy).
     pub fn id_strategy(mut self, strategy: IdStrategy) -> Self {
         self.id_strategy = Some(strategy);
         self
@@ -178,7 +178,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     /// is already queued for its lane, up to this many; `1` turns batching off. Default: 100.
     ///
     /// A batch is processed as if its messages ran one at a time in lane order: one batched
-    /// inbox claim, the handler for each new message (or [`BatchHandler`](crate::BatchHandler)
+    /// inbox claim, the handler for each new message (or [`BatchHandler`](crate::handler::BatchHandler)
     /// once for all of them), one position, one COMMIT, then every delivery is settled. If a
     /// message needs the one-message path (its handler failed, a conflict, a redelivered dead
     /// letter), the batch is rolled back and re-run without it: the messages before it as a

@@ -1,5 +1,5 @@
-//! The runtime: [`Consumer`] pulls deliveries, runs each through the inbox pipeline
-//! ([`single`]) and settles it.
+//! The runtime: [`Consumer`] pulls deliveries, runs each through the inbox pipeline and
+//! settles it; [`ConsumerBuilder`] configures it, with the `DEFAULT_*` values below.
 //!
 //! Scheduling: one intake task calls [`MessageSource::receive`] while fewer than
 //! `max_in_flight` deliveries are unsettled and the database is healthy. The scheduler queues
@@ -9,16 +9,16 @@
 //! transactions are open at once (a semaphore).
 //!
 //! Micro-batching: a task takes what is already queued for its lane, up to `batch_size`
-//! deliveries, and processes them in one transaction ([`Shared::process_batch`]). With a
+//! deliveries, and processes them in one transaction (`Shared::process_batch`). With a
 //! `batch_linger`, a lane with fewer queued waits up to that long for more before it starts.
 //! Under load a lane's queue fills while its previous transaction commits, so batches form by
 //! themselves; an idle consumer sends a lone message at once.
 //!
-//! One file per question: [`builder`] (configuration and its checks), [`shared`] (the state
-//! every task shares), [`intake`](mod@intake) (receiving, in-flight slots, lane gauges), [`scheduler`]
-//! (lanes, linger, which task runs next), [`batch`] (a micro-batch in one transaction),
-//! [`single`] (one message in one transaction), [`settle`] (telling the broker, dead letters),
-//! [`backoff`] (waiting out the database), [`call`] (running the handler).
+//! One file per question: `builder` (configuration and its checks), `shared` (the state
+//! every task shares), `intake` (receiving, in-flight slots, lane gauges), `scheduler`
+//! (lanes, linger, which task runs next), `batch` (a micro-batch in one transaction),
+//! `single` (one message in one transaction), `settle` (telling the broker, dead letters),
+//! `backoff` (waiting out the database), `call` (running the handler).
 
 mod backoff;
 mod batch;

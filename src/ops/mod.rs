@@ -3,8 +3,8 @@
 //!
 //! These are the queries behind the `txinbox` command-line tool (package `txinbox-cli`), as a
 //! small public API so they can be tested and used from code. Everything here works on a plain
-//! [`PgPool`](sqlx::PgPool) whose database has been [migrated](crate::migrate), and what takes
-//! a [`Db`] also on a [`SqlitePool`](sqlx::SqlitePool) migrated with `migrate_sqlite`;
+//! [`PgPool`](sqlx::PgPool) whose database has been [migrated](crate::postgres::migrate), and what takes
+//! a [`Db`] also on a [`SqlitePool`](sqlx::SqlitePool) migrated with [`sqlite::migrate`](crate::sqlite::migrate);
 //! nothing here talks to a broker.
 //!
 //! | module | what |
@@ -34,9 +34,9 @@ use std::str::FromStr;
 /// milliseconds, the clock) spell what differs. Built from a `&PgPool` or a `&SqlitePool` with `.into()`.
 #[derive(Debug, Clone, Copy)]
 pub enum Db<'a> {
-    /// PostgreSQL, [migrated](crate::migrate).
+    /// PostgreSQL, [migrated](crate::postgres::migrate).
     Postgres(&'a sqlx::PgPool),
-    /// SQLite, [migrated](crate::migrate_sqlite).
+    /// SQLite, [migrated](crate::sqlite::migrate).
     #[cfg(feature = "sqlite")]
     Sqlite(&'a sqlx::SqlitePool),
 }

@@ -3,7 +3,7 @@
 //!
 //! Replay never re-applies an applied message because the consumer's inbox deduplicates every
 //! replayed delivery; this module only predicts (for a dry run) what the consumer will do, with
-//! the consumer's own [`IdStrategy`](crate::IdStrategy) and [`Fingerprint`](crate::Fingerprint).
+//! the consumer's own [`IdStrategy`](crate::IdStrategy) and [`Fingerprint`](crate::message::Fingerprint).
 
 use std::collections::HashMap;
 

@@ -51,9 +51,9 @@
 //!
 //! # PostgreSQL and SQLite
 //!
-//! On PostgreSQL the outbox is `txinbox.outbox` ([`migrate`](crate::migrate)); a relay claims
+//! On PostgreSQL the outbox is `txinbox.outbox` ([`postgres::migrate`](crate::postgres::migrate)); a relay claims
 //! rows with `FOR UPDATE SKIP LOCKED` inside the transaction that marks them and is woken by
-//! `LISTEN/NOTIFY`. On SQLite it is `txinbox_outbox` ([`migrate_sqlite`](crate::migrate_sqlite));
+//! `LISTEN/NOTIFY`. On SQLite it is `txinbox_outbox` ([`sqlite::migrate`](crate::sqlite::migrate));
 //! SQLite has one writer and no notifications, so a relay takes a time-limited *lease* on the
 //! rows it claims (a short write transaction), publishes with no lock held (writers are not
 //! blocked while the broker confirms), marks the rows in a second short transaction, and looks
@@ -91,7 +91,7 @@ pub(crate) mod sealed {
 
     /// For the row holding a message's ID: whether its destination, key and payload are the
     /// same as the message's.
-    pub type Differs = (bool, bool, bool);
+    pub(crate) type Differs = (bool, bool, bool);
 
     /// The database-specific half of [`write()`](super::write).
     pub trait Sealed {
@@ -246,7 +246,7 @@ pub enum WriteError {
         /// What differs: `destination`, `key` or `payload`.
         differs: &'static str,
     },
-    /// The database refused the insert (was `txinbox::migrate` or `txinbox::migrate_sqlite`
+    /// The database refused the insert (was `txinbox::postgres::migrate` or `txinbox::sqlite::migrate`
     /// run?). PostgreSQL aborts the transaction; SQLite may not, so never commit a transaction
     /// whose outbox write failed: its effects would commit without their message.
     Database(sqlx::Error),
@@ -265,7 +265,7 @@ impl fmt::Display for WriteError {
             WriteError::Database(e) => write!(
                 f,
                 "writing the outbox row failed: {e} (if the outbox table is missing, run \
-                 txinbox::migrate or txinbox::migrate_sqlite)"
+                 txinbox::postgres::migrate or txinbox::sqlite::migrate)"
             ),
         }
     }

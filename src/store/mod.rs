@@ -1,7 +1,8 @@
 //! The inbox store: where message IDs, attempts, dead letters and source positions live.
 //!
-//! [`InboxStore`] is what the runtime needs from a database. [`PostgresInbox`] implements it
-//! (feature `postgres`, on by default).
+//! [`InboxStore`] is what the runtime needs from a database, and this module holds what an
+//! implementation works with. [`PostgresInbox`](crate::PostgresInbox) (feature `postgres`) and
+//! [`SqliteInbox`](crate::SqliteInbox) (feature `sqlite`) implement it; both on by default.
 
 use std::fmt;
 

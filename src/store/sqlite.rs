@@ -1,5 +1,5 @@
 //! [`SqliteInbox`]: the inbox in SQLite, for services whose business data lives in SQLite and
-//! for zero-setup demos; and [`migrate_sqlite`].
+//! for zero-setup demos; and [`migrate`].
 //!
 //! Same semantics as [`PostgresInbox`](crate::PostgresInbox). SQLite has one writer at a time,
 //! so every message transaction starts with `BEGIN IMMEDIATE`: it takes the write lock up
@@ -21,7 +21,7 @@ use crate::dead_letter::DeadLetterReason;
 use crate::position::Position;
 
 /// The embedded SQLite migrations, with their ledger in `txinbox_sqlx_migrations`.
-pub fn sqlite_migrator() -> sqlx::migrate::Migrator {
+pub fn migrator() -> sqlx::migrate::Migrator {
     let mut m = sqlx::migrate!("./migrations/sqlite");
     m.dangerous_set_table_name("txinbox_sqlx_migrations");
     m
@@ -29,8 +29,8 @@ pub fn sqlite_migrator() -> sqlx::migrate::Migrator {
 
 /// Applies txinbox's SQLite migrations. Idempotent; the ledger is `txinbox_sqlx_migrations`,
 /// apart from the application's own `_sqlx_migrations`.
-pub async fn migrate_sqlite(pool: &SqlitePool) -> Result<(), sqlx::migrate::MigrateError> {
-    sqlite_migrator().run(pool).await
+pub async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::migrate::MigrateError> {
+    migrator().run(pool).await
 }
 
 /// The inbox in SQLite.
@@ -60,7 +60,7 @@ impl SqliteInbox {
     }
 
     /// An inbox on an existing pool whose options went through
-    /// [`connect_options`](Self::connect_options). Run [`migrate_sqlite`] once before consuming.
+    /// [`connect_options`](Self::connect_options). Run [`migrate`] once before consuming.
     pub fn new(pool: SqlitePool) -> Self {
         SqliteInbox { pool }
     }

@@ -132,7 +132,7 @@ impl Builder {
         self
     }
 
-    /// Whether to run `txinbox::migrate` on the new database (default `true`). Tests of the
+    /// Whether to run `txinbox::postgres::migrate` on the new database (default `true`). Tests of the
     /// migrations themselves turn it off.
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
@@ -180,7 +180,7 @@ impl Builder {
             .unwrap_or_else(|e| panic!("mark {name} as a scratch database: {e}"));
         let db = self.open(&name).await;
         if self.migrate {
-            txinbox::migrate(&db.pool)
+            txinbox::postgres::migrate(&db.pool)
                 .await
                 .unwrap_or_else(|e| panic!("migrate the scratch database {name}: {e}"));
         }

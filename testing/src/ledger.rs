@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use txinbox::sqlx::{self, PgPool, Postgres};
-use txinbox::{async_trait, Context, Handler, HandlerError, Headers, Message};
+use txinbox::{async_trait, message::Headers, Context, Handler, HandlerError, Message};
 
 /// Creates `accounts`, `effects` and `blocked` (see the [module](self) docs).
 ///

@@ -8,6 +8,11 @@
 //!   The in-memory broker, Kafka and RabbitMQ adapters run them; a third-party adapter runs them
 //!   the same way.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Library crates only: a `pub` item must be reachable from the crate root, so the public API
+// is what the root and its public modules show (tests, tools and binaries have none).
+#![warn(unreachable_pub)]
+
 pub mod conformance;
 pub mod database;
 pub mod ledger;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use txinbox::outbox::{self, OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
-use txinbox::{async_trait, Headers, RetryPolicy};
+use txinbox::{async_trait, message::Headers, RetryPolicy};
 
 #[cfg(feature = "sqlite")]
 mod sqlite;
@@ -977,7 +977,7 @@ async fn two_consumers_emitting_the_same_step_for_one_event_both_publish() {
 async fn an_outbox_id_taken_by_another_message_dead_letters_the_incoming_one() {
     use std::sync::atomic::AtomicU32;
     use txinbox::memory::MemoryBroker;
-    use txinbox::{Consumer, Context, DeadLetterReason, Handler, HandlerError, Message};
+    use txinbox::{dead_letter::DeadLetterReason, Consumer, Context, Handler, HandlerError, Message};
 
     #[derive(Clone, Default)]
     struct FixedId(std::sync::Arc<AtomicU32>);

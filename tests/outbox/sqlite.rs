@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use txinbox::memory::MemoryBroker;
 use txinbox::outbox::{self, OutboxMessage, Relay};
-use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Headers, Message, SqliteInbox};
+use txinbox::{
+    async_trait, message::Headers, Consumer, Context, Handler, HandlerError, Message, SqliteInbox,
+};
 
 use super::{assert_key_order, drain, fast_config, write_interleaved, Failure, Recorder};
 
@@ -40,7 +42,7 @@ async fn sqlite_db_with(connections: u32, busy_timeout: Duration) -> SqlitePool 
         .connect_with(options)
         .await
         .unwrap();
-    txinbox::migrate_sqlite(&pool).await.unwrap();
+    txinbox::sqlite::migrate(&pool).await.unwrap();
     pool
 }
 

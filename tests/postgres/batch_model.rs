@@ -22,7 +22,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use proptest::prelude::*;
 use txinbox::memory::MemoryBroker;
-use txinbox::{BatchContext, BatchHandler, BatchMessage, Consumer, Context, Handler, HandlerError, Message};
+use txinbox::{
+    handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Consumer, Context, Handler,
+    HandlerError, Message,
+};
 
 use super::support::{fast_retries, TestDb};
 

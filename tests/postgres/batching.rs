@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use sqlx::Postgres;
 use txinbox::memory::MemoryBroker;
 use txinbox::{
-    BatchContext, BatchHandler, BatchMessage, Consumer, Context, DeadLetterReason, Handler, HandlerError,
-    Message,
+    dead_letter::DeadLetterReason, handler::BatchContext, handler::BatchHandler, handler::BatchMessage,
+    Consumer, Context, Handler, HandlerError, Message,
 };
 
 use super::support::{fast_retries, TestDb};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, DeadLetterReason, HandlerError};
+use txinbox::{dead_letter::DeadLetterReason, Consumer, HandlerError};
 
 use super::support::{deposit_in_lane, fast_retries, DepositHandler, TestDb};
 

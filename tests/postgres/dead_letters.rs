@@ -3,7 +3,7 @@
 
 use sqlx::Postgres;
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, Context, DeadLetterReason, Handler, HandlerError, Message};
+use txinbox::{dead_letter::DeadLetterReason, Consumer, Context, Handler, HandlerError, Message};
 
 use super::support::{deposit_in_lane, drain, fast_retries, DepositHandler, TestDb};
 

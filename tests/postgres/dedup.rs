@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, DeadLetterReason};
+use txinbox::{dead_letter::DeadLetterReason, Consumer};
 
 use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use metrics_util::debugging::DebugValue;
 use txinbox::health::{BrokerStatus, Health, HealthReport, RunState, SourceHealth};
 use txinbox::memory::{MemoryBroker, MemoryDelivery, MemorySource};
-use txinbox::{Capabilities, Consumer, MessageSource, SourceError};
+use txinbox::{source::Capabilities, source::SourceError, Consumer, MessageSource};
 
 use super::metrics::snapshotter;
 use super::support::{deposit_in_lane, DepositHandler, PrivateCluster, TestDb};

@@ -4,7 +4,7 @@
 
 use bytes::Bytes;
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, DeadLetterReason, Headers, IdStrategy};
+use txinbox::{dead_letter::DeadLetterReason, message::Headers, Consumer, IdStrategy};
 
 use super::support::{deposit_in_lane, drain, DepositHandler, TestDb};
 
@@ -199,7 +199,7 @@ async fn a_processed_message_over_the_limit_when_read_again_is_too_large_not_a_c
             .source(broker.source())
             .inbox(db.inbox())
             .handler(DepositHandler::default())
-            .fingerprint(txinbox::Fingerprint::CanonicalJson)
+            .fingerprint(txinbox::message::Fingerprint::CanonicalJson)
             .max_message_bytes(150)
             .build()
             .unwrap()

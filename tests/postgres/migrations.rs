@@ -12,7 +12,9 @@ async fn fresh_install_rerun_and_coexistence_with_the_applications_migrations() 
     let ledger = "SELECT count(*) FROM txinbox._sqlx_migrations";
     let applied = db.scalar(ledger).await;
     assert!(applied >= 1);
-    txinbox::migrate(&db.pool).await.expect("re-running is a no-op");
+    txinbox::postgres::migrate(&db.pool)
+        .await
+        .expect("re-running is a no-op");
     assert_eq!(db.scalar(ledger).await, applied);
 
     // The application's own sqlx migrations, in the default public ledger.
@@ -25,7 +27,7 @@ async fn fresh_install_rerun_and_coexistence_with_the_applications_migrations() 
     .unwrap();
     let app = sqlx::migrate::Migrator::new(dir.as_path()).await.unwrap();
     app.run(&db.pool).await.expect("the app migrates beside txinbox");
-    txinbox::migrate(&db.pool)
+    txinbox::postgres::migrate(&db.pool)
         .await
         .expect("txinbox still migrates after the app");
     app.run(&db.pool)
@@ -54,7 +56,10 @@ async fn a_missing_schema_stops_the_consumer_with_a_clear_error() {
         .run()
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("run txinbox::migrate"), "{err}");
+    assert!(
+        err.to_string().contains("run txinbox::postgres::migrate"),
+        "{err}"
+    );
     assert_eq!(broker.stats().acked, 0);
     assert_eq!(broker.pending(), 1, "the message is still there");
 }

@@ -95,7 +95,7 @@ async fn ten_thousand_messages_with_duplicates_in_eight_lanes_apply_once_in_orde
 async fn in_place_retries_hold_the_lane_and_keep_order() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     broker.publish_in_lane("p0", "evt-0", deposit_in_lane("alice", 1, "p0", 0));
     broker.publish_in_lane("p0", "evt-1", deposit_in_lane("alice", 1, "p0", 1));
     broker.close();
@@ -116,7 +116,7 @@ async fn in_place_retries_hold_the_lane_and_keep_order() {
 async fn a_lane_waiting_to_retry_does_not_hold_back_other_lanes() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     broker.publish_in_lane("a", "a-0", deposit_in_lane("alice", 1, "a", 0));
     for i in 0..5 {
         broker.publish_in_lane("b", format!("b-{i}"), deposit_in_lane("bob", 1, "b", i));

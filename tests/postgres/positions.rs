@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use txinbox::{
-    Capabilities, Consumer, Delivery, IdStrategy, InboxStore, Lane, Message, MessageSource, Origin, Position,
-    RetryMode, SettleError, Settlement, SourceError,
+    message::Origin, position::Position, source::Capabilities, source::Lane, source::RetryMode,
+    source::SettleError, source::Settlement, source::SourceError, Consumer, Delivery, IdStrategy, InboxStore,
+    Message, MessageSource,
 };
 
 use super::support::{DepositHandler, TestDb};

@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, Headers};
+use txinbox::{message::Headers, Consumer};
 
 use super::support::{deposit_in_lane, DepositHandler, TestDb};
 

@@ -51,7 +51,7 @@ async fn graceful_shutdown_settles_everything_it_received() {
 async fn a_lane_does_not_overtake_a_delivery_left_unsettled_at_shutdown() {
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     broker.publish_in_lane("p0", "evt-0", deposit_in_lane("alice", 1, "p0", 0));
     broker.publish_in_lane("p0", "evt-1", deposit_in_lane("alice", 1, "p0", 1));
     let handler = DepositHandler::failing(|m, _| {

@@ -111,7 +111,7 @@ async fn a_batch_stopped_at_shutdown_marks_every_delivery_it_held_abandoned() {
     capture();
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     for i in 0..4 {
         broker.publish_in_lane("p0", format!("evt-{i}"), deposit_in_lane("a", 1, "p0", i));
     }
@@ -232,7 +232,7 @@ async fn every_span_field_is_recorded_once() {
     capture();
     let db = TestDb::new(10).await;
     let broker = MemoryBroker::new("payments");
-    broker.set_retry_mode(txinbox::RetryMode::InPlace);
+    broker.set_retry_mode(txinbox::source::RetryMode::InPlace);
     for i in 0..4 {
         broker.publish_in_lane("l", format!("evt-{i}"), deposit_in_lane("a", 1, "l", i));
     }

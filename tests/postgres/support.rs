@@ -35,7 +35,7 @@ impl TestDb {
             .connect_with(txinbox::PostgresInbox::connect_options(options))
             .await
             .expect("connect to the test database");
-        txinbox::migrate(&pool).await.expect("migrate");
+        txinbox::postgres::migrate(&pool).await.expect("migrate");
         Self::with_tables(pool).await
     }
 

@@ -37,7 +37,10 @@ async fn postgres_keys_merge_only_the_same_record_read_twice() {
         .create()
         .await;
     let pool = db.pool().clone();
-    before(txinbox::migrator(), KEYS).run(&pool).await.unwrap();
+    before(txinbox::postgres::migrator(), KEYS)
+        .run(&pool)
+        .await
+        .unwrap();
     for (offset, payload) in OLD_ROWS {
         sqlx::query(
             "INSERT INTO txinbox.dead_letters (consumer, reason, error, attempts, payload, headers,
@@ -50,7 +53,7 @@ async fn postgres_keys_merge_only_the_same_record_read_twice() {
         .await
         .unwrap();
     }
-    txinbox::migrate(&pool).await.unwrap();
+    txinbox::postgres::migrate(&pool).await.unwrap();
     let rows: Vec<(i64, Vec<u8>, Option<i64>, bool)> = sqlx::query_as(
         "SELECT source_offset, payload, payload_size, discarded_at IS NOT NULL
          FROM txinbox.dead_letters ORDER BY id",
@@ -84,7 +87,10 @@ async fn postgres_keys_merge_only_the_same_record_read_twice() {
 #[tokio::test]
 async fn sqlite_keys_merge_only_the_same_record_read_twice_in_one_pass() {
     let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
-    before(txinbox::sqlite_migrator(), KEYS).run(&pool).await.unwrap();
+    before(txinbox::sqlite::migrator(), KEYS)
+        .run(&pool)
+        .await
+        .unwrap();
     for (offset, payload) in OLD_ROWS {
         sqlx::query(
             "INSERT INTO txinbox_dead_letters (consumer, reason, error, attempts, payload, headers,
@@ -107,7 +113,7 @@ async fn sqlite_keys_merge_only_the_same_record_read_twice_in_one_pass() {
     .await
     .unwrap();
     let started = std::time::Instant::now();
-    txinbox::sqlite_migrator().run(&pool).await.unwrap();
+    txinbox::sqlite::migrator().run(&pool).await.unwrap();
     let took = started.elapsed();
     let rows: Vec<(i64, Vec<u8>, Option<i64>, bool)> = sqlx::query_as(
         "SELECT source_offset, payload, payload_size, discarded_at IS NOT NULL

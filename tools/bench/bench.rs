@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::bail;
 use txinbox::sqlx::postgres::PgPool;
 use txinbox::sqlx::Executor;
-use txinbox::{Consumer, Delivery as _, IdStrategy, MessageSource, PostgresInbox, Settlement};
+use txinbox::{source::Settlement, Consumer, Delivery as _, IdStrategy, MessageSource, PostgresInbox};
 
 use crate::args::Args;
 use crate::effects::{Effects, HANDLED, HANDLER_CALLS};

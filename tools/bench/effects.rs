@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use txinbox::sqlx::{self, Postgres};
 use txinbox::{
-    async_trait, BatchContext, BatchHandler, BatchMessage, Context, Handler, HandlerError, Message,
+    async_trait, handler::BatchContext, handler::BatchHandler, handler::BatchMessage, Context, Handler,
+    HandlerError, Message,
 };
 
 pub(crate) struct Effects;

@@ -94,7 +94,7 @@ async fn main() -> anyhow::Result<()> {
             .max_connections(args.concurrency as u32 + 2)
             .connect_with(PostgresInbox::connect_options(options))
             .await?;
-        txinbox::migrate(&pool).await?;
+        txinbox::postgres::migrate(&pool).await?;
         pool.execute(
             "CREATE TABLE bench_effects (id bigserial PRIMARY KEY, message_id text NOT NULL, bytes bigint NOT NULL);
              CREATE SEQUENCE bench_pgb_seq;

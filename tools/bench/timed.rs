@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use txinbox::{
-    async_trait, Capabilities, Delivery, Lane, Message, MessageSource, Position, SettleError, Settlement,
-    SourceError,
+    async_trait, position::Position, source::Capabilities, source::Lane, source::SettleError,
+    source::Settlement, source::SourceError, Delivery, Message, MessageSource,
 };
 
 use crate::measure::{published_at, Probe};
@@ -32,7 +32,7 @@ impl<S: MessageSource> MessageSource for Timed<S> {
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }
-    fn attach_positions(&mut self, positions: txinbox::ConsumerPositions) {
+    fn attach_positions(&mut self, positions: txinbox::position::ConsumerPositions) {
         self.inner.attach_positions(positions);
     }
     async fn close(self) -> Result<(), SourceError> {

@@ -60,7 +60,7 @@
 //! and the ledger built with crash points next to this program:
 //!
 //! ```text
-//! cargo build -p txinbox-demos -p txinbox-tools --features txinbox-demos/crash-points --example ledger --example chaos
+//! cargo build -p txinbox-demos -p txinbox-tools --features txinbox-tools/crash-points --example ledger --example chaos
 //! target/debug/examples/chaos --source all --events 2000 --time-budget 120
 //! target/debug/examples/chaos --source all --phases storm,outage --kafka-session-timeout-ms 3000
 //! ```

@@ -69,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
         .max_connections(10)
         .connect_with(PostgresInbox::connect_options(database_url.parse()?))
         .await?;
-    txinbox::migrate(&pool).await?;
+    txinbox::postgres::migrate(&pool).await?;
     pool.execute(
         "CREATE TABLE IF NOT EXISTS example_accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
     )

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::error::Error;
+use crate::error::AmqpError;
 
 /// Default [`AmqpConfig::prefetch`].
 pub const DEFAULT_PREFETCH: u16 = 64;
@@ -135,7 +135,7 @@ impl AmqpConfig {
     }
 
     /// Processes messages carrying this header in order per header value
-    /// ([`Lane::Ordered`](txinbox::Lane)); messages without it are unordered. Default: none,
+    /// ([`Lane::Ordered`](txinbox::source::Lane)); messages without it are unordered. Default: none,
     /// every message unordered (competing consumers).
     ///
     /// The order holds only **within one consumer instance** (RabbitMQ spreads a queue across
@@ -213,20 +213,20 @@ impl AmqpConfig {
     }
 
     /// Checks the configuration; the error says what to change.
-    pub fn validate(&self) -> Result<(), Error> {
-        let err = |m: String| Err(Error::Config(m));
+    pub fn validate(&self) -> Result<(), AmqpError> {
+        let err = |m: String| Err(AmqpError::Config(m));
         if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
             return err(format!(
                 "AmqpConfig uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
                 self.redacted_uri()
             ));
         }
-        let short = |what: &str, v: &str| -> Result<(), Error> {
+        let short = |what: &str, v: &str| -> Result<(), AmqpError> {
             if v.is_empty() {
-                return Err(Error::Config(format!("AmqpConfig {what} must not be empty")));
+                return Err(AmqpError::Config(format!("AmqpConfig {what} must not be empty")));
             }
             if v.len() > MAX_SHORT_STRING {
-                return Err(Error::Config(format!(
+                return Err(AmqpError::Config(format!(
                     "AmqpConfig {what} is {} bytes long; AMQP names are at most {MAX_SHORT_STRING} bytes",
                     v.len()
                 )));
@@ -351,7 +351,7 @@ mod tests {
 
     fn invalid(c: AmqpConfig, needle: &str) {
         match c.validate() {
-            Err(Error::Config(m)) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
+            Err(AmqpError::Config(m)) => assert!(m.contains(needle), "{m:?} should mention {needle:?}"),
             other => panic!("expected a config error mentioning {needle:?}, got {other:?}"),
         }
     }

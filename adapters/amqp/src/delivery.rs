@@ -8,22 +8,15 @@ use bytes::Bytes;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Acker, BasicProperties};
-use txinbox::{async_trait, DeadLetter, Delivery, Lane, Message, Origin, SettleError, Settlement};
+use txinbox::{
+    async_trait, dead_letter::DeadLetter, message::Origin, source::Lane, source::SettleError,
+    source::Settlement, Delivery, Message,
+};
 
 use crate::confirm::confirmed;
-use crate::headers::{int_header, to_headers};
+use crate::headers::{self, int_header, to_headers};
 use crate::shared::{Generation, Shared};
 use crate::telemetry;
-
-/// Header carrying how often a message went through the retry queue (1 on the first retry
-/// copy). Informational: attempts are counted in the inbox database, not here.
-pub const RETRY_HEADER: &str = "x-txinbox-retry";
-/// Dead-letter header: the machine-readable reason (`permanent_error`, `missing_id`, …).
-pub const REASON_HEADER: &str = "x-txinbox-reason";
-/// Dead-letter header: the human-readable error.
-pub const ERROR_HEADER: &str = "x-txinbox-error";
-/// Dead-letter header: the queue the message was consumed from.
-pub const ORIGINAL_QUEUE_HEADER: &str = "x-txinbox-original-queue";
 
 /// Longest `x-txinbox-error` value, in bytes.
 const MAX_ERROR_HEADER: usize = 4096;
@@ -224,9 +217,11 @@ impl AmqpDelivery {
             return Err(self.stale("retry copy", "the channel was lost"));
         }
         let original = self.properties.headers().as_ref();
-        let count = int_header(original, RETRY_HEADER).unwrap_or(0).saturating_add(1);
+        let count = int_header(original, headers::RETRY)
+            .unwrap_or(0)
+            .saturating_add(1);
         let mut headers = original.cloned().unwrap_or_default();
-        headers.insert(RETRY_HEADER.into(), AMQPValue::LongLongInt(count));
+        headers.insert(headers::RETRY.into(), AMQPValue::LongLongInt(count));
         let millis = after.as_millis().min(u128::from(u32::MAX));
         let properties = copy_properties(&self.properties, headers, Some(millis.to_string().into()));
         match self
@@ -250,15 +245,15 @@ impl AmqpDelivery {
         }
         let mut headers = self.properties.headers().clone().unwrap_or_default();
         headers.insert(
-            REASON_HEADER.into(),
+            headers::REASON.into(),
             AMQPValue::LongString(dl.reason.as_str().into()),
         );
         headers.insert(
-            ERROR_HEADER.into(),
+            headers::ERROR.into(),
             AMQPValue::LongString(LongString::from(truncate(&dl.error, MAX_ERROR_HEADER))),
         );
         headers.insert(
-            ORIGINAL_QUEUE_HEADER.into(),
+            headers::ORIGINAL_QUEUE.into(),
             AMQPValue::LongString(self.shared.queue.as_bytes().to_vec().into()),
         );
         let properties = copy_properties(&self.properties, headers, None);
@@ -295,7 +290,7 @@ impl Delivery for AmqpDelivery {
 }
 
 /// `Ordered(value)` when the lane header is configured and present, else `Unordered`.
-fn lane_of(headers: &txinbox::Headers, lane_header: Option<&str>) -> Lane {
+fn lane_of(headers: &txinbox::message::Headers, lane_header: Option<&str>) -> Lane {
     match lane_header.and_then(|name| headers.get(name)) {
         Some(v) => Lane::Ordered(String::from_utf8_lossy(v).into()),
         None => Lane::Unordered,
@@ -391,7 +386,7 @@ mod tests {
 
     #[test]
     fn lanes_come_from_the_configured_header_only() {
-        let h = txinbox::Headers::new().with("account", "acct-7");
+        let h = txinbox::message::Headers::new().with("account", "acct-7");
         assert_eq!(
             lane_of(&h, None),
             Lane::Unordered,

@@ -1,11 +1,11 @@
-//! [`Error`]: what can go wrong while configuring or connecting.
+//! [`AmqpError`]: what can go wrong while configuring or connecting.
 
 use std::fmt;
 
 /// A configuration or broker error from [`AmqpSource::connect`](crate::AmqpSource::connect).
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum Error {
+pub enum AmqpError {
     /// The configuration is invalid; the message says what to change.
     Config(String),
     /// The broker refused or could not be reached.
@@ -20,30 +20,30 @@ pub enum Error {
     },
 }
 
-impl Error {
+impl AmqpError {
     /// Whether retrying cannot help.
     pub fn is_fatal(&self) -> bool {
         match self {
-            Error::Config(_) => true,
-            Error::Broker { fatal, .. } => *fatal,
+            AmqpError::Config(_) => true,
+            AmqpError::Broker { fatal, .. } => *fatal,
         }
     }
 }
 
-impl fmt::Display for Error {
+impl fmt::Display for AmqpError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Config(m) => write!(f, "invalid AMQP configuration: {m}"),
-            Error::Broker { context, source, .. } => write!(f, "AMQP {context} failed: {source}"),
+            AmqpError::Config(m) => write!(f, "invalid AMQP configuration: {m}"),
+            AmqpError::Broker { context, source, .. } => write!(f, "AMQP {context} failed: {source}"),
         }
     }
 }
 
-impl std::error::Error for Error {
+impl std::error::Error for AmqpError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Config(_) => None,
-            Error::Broker { source, .. } => Some(&**source),
+            AmqpError::Config(_) => None,
+            AmqpError::Broker { source, .. } => Some(&**source),
         }
     }
 }

@@ -1,7 +1,23 @@
-//! AMQP field tables to txinbox [`Headers`], and the retry counter header.
+//! Headers this crate writes: on retry and dead-letter copies, and on outbox messages.
+//!
+//! (Inside the crate: AMQP field tables to txinbox [`Headers`], and reading the retry
+//! counter.)
 
 use lapin::types::{AMQPValue, FieldTable};
-use txinbox::Headers;
+use txinbox::message::Headers;
+
+/// How often a message went through the retry queue (1 on the first retry copy).
+/// Informational: attempts are counted in the inbox database, not here.
+pub const RETRY: &str = "x-txinbox-retry";
+/// Dead letters: the machine-readable reason (`permanent_error`, `missing_id`, …).
+pub const REASON: &str = "x-txinbox-reason";
+/// Dead letters: the human-readable error.
+pub const ERROR: &str = "x-txinbox-error";
+/// Dead letters: the queue the message was consumed from.
+pub const ORIGINAL_QUEUE: &str = "x-txinbox-original-queue";
+/// Outbox messages: the row's key. A consumer that must apply one key's messages in order sets
+/// [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
+pub const KEY: &str = "message-key";
 
 /// Converts an AMQP headers table: strings become their UTF-8 (or raw) bytes, byte arrays
 /// their bytes, numbers, booleans, decimals and timestamps their decimal string form, `void` an
@@ -180,7 +196,7 @@ mod tests {
 
     #[test]
     fn cloudevents_amqp_binding_headers_feed_the_core_id_strategy() {
-        use txinbox::{IdStrategy, Message, Origin};
+        use txinbox::{message::Origin, IdStrategy, Message};
         for name in ["cloudEvents:id", "cloudEvents_id"] {
             let t = table(vec![(name, AMQPValue::LongString("evt-9".into()))]);
             let m = Message::new(&b"{}"[..], Origin::new("rabbitmq", "q")).with_headers(to_headers(Some(&t)));

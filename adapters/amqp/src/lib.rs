@@ -32,7 +32,7 @@
 //! |---|---|
 //! | processed, or a duplicate | `basic.ack` (never `multiple`), on the delivery's own channel |
 //! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue (a quorum queue, [`retry_queue_arguments`]) dead-letters the copy back to the work queue, at least once. Attempts are counted in the inbox database, not in `x-delivery-count` |
-//! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with headers `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked |
+//! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with [`headers`] `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked |
 //! | the ack (or a copy) does not reach the broker | `settle` fails; the message is redelivered and the inbox deduplicates it |
 //! | connection or channel lost, server `basic.cancel` | the supervisor reconnects with backoff, re-declares the topology, re-applies `basic.qos`, consumes again; deliveries of the old channel are never acked on the new one |
 //! | a delivery dropped unsettled | nothing is sent; redelivered when its channel closes |
@@ -46,7 +46,7 @@
 //! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: publisher confirms, `mandatory`
 //! (unroutable = not published), persistent, one at a time on one channel; the row's ID as
 //! `message_id` property and [`txinbox::outbox::ID_HEADER`] header, its key as
-//! [`KEY_HEADER`].
+//! [`headers::KEY`].
 //!
 //! # Message identity
 //!
@@ -61,7 +61,7 @@
 //!
 //! # Ordering
 //!
-//! Competing consumers by default: every delivery is [`Lane::Unordered`](txinbox::Lane). With
+//! Competing consumers by default: every delivery is [`Lane::Unordered`](txinbox::source::Lane). With
 //! [`AmqpConfig::lane_header`], deliveries carrying that header are processed in order per
 //! header value — within one consumer instance only, and not across a retry (a retried message
 //! comes back behind later ones).
@@ -87,11 +87,16 @@
 //! the `metrics` facade, see [`telemetry`]. Nothing is installed by this crate. The URI's
 //! password is never logged.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Library crates only: a `pub` item must be reachable from the crate root, so the public API
+// is what the root and its public modules show (tests, tools and binaries have none).
+#![warn(unreachable_pub)]
+
 mod config;
 mod confirm;
 mod delivery;
 mod error;
-mod headers;
+pub mod headers;
 mod publisher;
 mod shared;
 mod source;
@@ -102,9 +107,9 @@ pub use config::{
     DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
 };
 pub use confirm::{confirmed, Unconfirmed};
-pub use delivery::{AmqpDelivery, ERROR_HEADER, ORIGINAL_QUEUE_HEADER, REASON_HEADER, RETRY_HEADER};
-pub use error::Error;
-pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, KEY_HEADER};
+pub use delivery::AmqpDelivery;
+pub use error::AmqpError;
+pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT};
 pub use shared::AmqpMonitor;
 pub use source::AmqpSource;
 

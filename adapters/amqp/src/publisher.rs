@@ -10,11 +10,8 @@ use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
 use crate::confirm::confirmed;
-use crate::error::Error;
-
-/// The header that carries an outbox row's key. A consumer that must apply one key's messages
-/// in order sets [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
-pub const KEY_HEADER: &str = "message-key";
+use crate::error::AmqpError;
+use crate::headers::KEY as KEY_HEADER;
 
 /// Default for [`AmqpPublisher::channels`].
 pub const DEFAULT_CHANNELS: usize = 4;
@@ -34,7 +31,7 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// The message carries its ID as the `message_id` property (the AMQP source's default
 /// [`IdStrategy::Native`](txinbox::IdStrategy::Native)) and as header
-/// [`ID_HEADER`]; its key, if any, as header [`KEY_HEADER`]; then the row's own headers
+/// [`ID_HEADER`]; its key, if any, as header [`headers::KEY`](crate::headers::KEY); then the row's own headers
 /// (UTF-8 values as long strings, others as byte arrays).
 ///
 /// Each channel carries one publish at a time: lapin pairs a `basic.return` with whichever
@@ -76,11 +73,11 @@ impl AmqpPublisher {
     /// The first connection must succeed, so bad credentials show up at startup; later losses
     /// are repaired on the next publish. Publishes go to the default exchange until
     /// [`exchange`](Self::exchange) says otherwise.
-    pub async fn connect(uri: impl Into<String>) -> Result<AmqpPublisher, Error> {
+    pub async fn connect(uri: impl Into<String>) -> Result<AmqpPublisher, AmqpError> {
         let uri = uri.into();
         // NOTE: parsed here first: lapin's own parse error quotes the whole URI, password included.
         if let Err(e) = uri.parse::<lapin::uri::AMQPUri>() {
-            return Err(Error::Config(format!(
+            return Err(AmqpError::Config(format!(
                 "AmqpPublisher uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
                 txinbox::redact::url(&uri)
             )));
@@ -121,8 +118,8 @@ impl AmqpPublisher {
         self
     }
 
-    async fn open(&self) -> Result<Session, Error> {
-        let broker = |context: &str, e: Box<dyn std::error::Error + Send + Sync>| Error::Broker {
+    async fn open(&self) -> Result<Session, AmqpError> {
+        let broker = |context: &str, e: Box<dyn std::error::Error + Send + Sync>| AmqpError::Broker {
             context: context.into(),
             fatal: false,
             source: e,
@@ -141,7 +138,7 @@ impl AmqpPublisher {
                 .confirm_select(ConfirmSelectOptions::default())
                 .await
                 .map_err(|e| broker("confirm.select", e.into()))?;
-            Ok::<_, Error>(Session { conn, channel })
+            Ok::<_, AmqpError>(Session { conn, channel })
         };
         match tokio::time::timeout(self.connect_timeout, setup).await {
             Ok(r) => r,
@@ -281,7 +278,7 @@ impl Publisher for AmqpPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use txinbox::Headers;
+    use txinbox::message::Headers;
 
     #[test]
     fn id_and_key_travel_as_property_and_headers() {

@@ -14,11 +14,13 @@ use lapin::{Channel, Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
-use txinbox::{async_trait, Capabilities, IdStrategy, MessageSource, RetryMode, SourceError};
+use txinbox::{
+    async_trait, source::Capabilities, source::RetryMode, source::SourceError, IdStrategy, MessageSource,
+};
 
 use crate::config::AmqpConfig;
 use crate::delivery::AmqpDelivery;
-use crate::error::Error;
+use crate::error::AmqpError;
 use crate::shared::{AmqpMonitor, Generation, Shared};
 use crate::telemetry;
 
@@ -67,7 +69,7 @@ impl AmqpSource {
     /// The first connection must succeed (so bad credentials or an unreachable broker show
     /// up at startup); later losses are recovered without a restart. Must be called within a
     /// Tokio runtime.
-    pub async fn connect(config: AmqpConfig) -> Result<AmqpSource, Error> {
+    pub async fn connect(config: AmqpConfig) -> Result<AmqpSource, AmqpError> {
         config.validate()?;
         telemetry::describe();
         let shared = Arc::new(Shared {
@@ -332,11 +334,12 @@ impl Supervisor {
 
     /// `reconnect_min` doubling to `reconnect_max`, 50–100 % jitter.
     fn backoff(&self, attempt: u32) -> Duration {
-        txinbox::Backoff::new(self.config.reconnect_min, self.config.reconnect_max).half_jitter(attempt)
+        txinbox::retry::Backoff::new(self.config.reconnect_min, self.config.reconnect_max)
+            .half_jitter(attempt)
     }
 
     /// Connects and subscribes: connection, channel, topology, confirms, QoS, consume.
-    async fn setup(&self, generation: u64) -> Result<Session, Error> {
+    async fn setup(&self, generation: u64) -> Result<Session, AmqpError> {
         let c = &self.config;
         let props =
             ConnectionProperties::default().with_connection_name(c.connection_name_or_default().into());
@@ -344,7 +347,7 @@ impl Supervisor {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => return Err(classify("connect", e)),
             Err(_) => {
-                return Err(Error::Broker {
+                return Err(AmqpError::Broker {
                     context: "connect".into(),
                     fatal: false,
                     source: format!("no connection within {:?} (connect_timeout)", c.connect_timeout).into(),
@@ -363,7 +366,7 @@ impl Supervisor {
                 let _ =
                     tokio::time::timeout(Duration::from_secs(1), conn.close(200, "setup timed out".into()))
                         .await;
-                return Err(Error::Broker {
+                return Err(AmqpError::Broker {
                     context: "channel setup".into(),
                     fatal: false,
                     source: format!("not done within {:?} (connect_timeout)", c.connect_timeout).into(),
@@ -391,7 +394,7 @@ impl Supervisor {
         })
     }
 
-    async fn subscribe(&self, conn: &Connection) -> Result<(Channel, lapin::Consumer), Error> {
+    async fn subscribe(&self, conn: &Connection) -> Result<(Channel, lapin::Consumer), AmqpError> {
         let c = &self.config;
         let channel = conn
             .create_channel()
@@ -508,7 +511,7 @@ async fn abandon(session: Session) {
 
 /// Whether retrying can help: refused credentials or vhost, unknown queue, a queue declared
 /// with other arguments are fatal; everything else (I/O, connection forced, timeouts) is not.
-fn classify(context: &str, e: lapin::Error) -> Error {
+fn classify(context: &str, e: lapin::Error) -> AmqpError {
     let fatal = match e.kind() {
         lapin::ErrorKind::ProtocolError(amqp) => matches!(
             amqp.kind(),
@@ -521,7 +524,7 @@ fn classify(context: &str, e: lapin::Error) -> Error {
         lapin::ErrorKind::InvalidProtocolVersion(_) | lapin::ErrorKind::AuthProviderError(_) => true,
         _ => false,
     };
-    Error::Broker {
+    AmqpError::Broker {
         context: context.to_owned(),
         fatal,
         source: Box::new(e),

@@ -12,8 +12,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use txinbox::{async_trait, Headers, Message, Origin};
-use txinbox_amqp::{retry_queue_arguments, AmqpConfig, AmqpPublisher, AmqpSource, KEY_HEADER};
+use txinbox::{async_trait, message::Headers, message::Origin, Message};
+use txinbox_amqp::headers;
+use txinbox_amqp::{retry_queue_arguments, AmqpConfig, AmqpPublisher, AmqpSource};
 use txinbox_testing::conformance::{publisher, source};
 
 fn amqp_url() -> String {
@@ -149,7 +150,7 @@ impl source::Harness for SourceHarness {
         if let Some(key) = &message.key {
             // The key travels as the outbox publisher sends it; the source makes it the lane.
             headers.insert(
-                KEY_HEADER.into(),
+                headers::KEY.into(),
                 AMQPValue::LongString(LongString::from(key.as_str())),
             );
         }
@@ -183,7 +184,7 @@ impl source::Harness for SourceHarness {
     async fn open(&self) -> AmqpSource {
         let config = AmqpConfig::new(amqp_url(), &self.queue)
             .prefetch(16)
-            .lane_header(KEY_HEADER)
+            .lane_header(headers::KEY)
             .connection_name(format!("{}-consumer", self.queue))
             .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
             .publish_timeout(Duration::from_secs(5));
@@ -264,7 +265,7 @@ mod publishing {
                 .into_iter()
                 .map(|m| publisher::Published {
                     payload: m.payload().to_vec(),
-                    key: m.headers().get(KEY_HEADER).map(<[u8]>::to_vec),
+                    key: m.headers().get(headers::KEY).map(<[u8]>::to_vec),
                     headers: m.headers().clone(),
                 })
                 .collect()

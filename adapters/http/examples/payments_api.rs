@@ -290,7 +290,7 @@ fn router(pool: PgPool, topic: String, bench: bool) -> Router {
 }
 
 async fn setup(pool: &PgPool) -> Result<(), Box<dyn std::error::Error>> {
-    txinbox::migrate(pool).await?;
+    txinbox::postgres::migrate(pool).await?;
     pool.execute(
         "CREATE SCHEMA IF NOT EXISTS payments;
          CREATE TABLE IF NOT EXISTS payments.accounts (
@@ -522,7 +522,7 @@ async fn serve_embedded(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         .max_connections(4)
         .connect_with(options)
         .await?;
-    txinbox::migrate_sqlite(&pool).await?;
+    txinbox::sqlite::migrate(&pool).await?;
     pool.execute(
         "CREATE TABLE IF NOT EXISTS payments_accounts (
              tenant TEXT NOT NULL, account TEXT NOT NULL, balance_cents INTEGER NOT NULL,

@@ -101,7 +101,7 @@ impl<DB: Backend> fmt::Debug for IdempotencyLayer<DB> {
 }
 
 impl<DB: Backend> IdempotencyLayer<DB> {
-    /// A layer on `pool` (migrated with `txinbox::migrate` or `txinbox::migrate_sqlite`), with the defaults: key required,
+    /// A layer on `pool` (migrated with `txinbox::postgres::migrate` or `txinbox::sqlite::migrate`), with the defaults: key required,
     /// principal from the [`Principal`] extension, [`DEFAULT_LOCK_WAIT`],
     /// [`DEFAULT_RETRY_AFTER`], [`DEFAULT_TTL`], 1 MiB request and stored response limits,
     /// [`OversizedResponse::Refuse`], and the stored headers `content-type`,

@@ -23,7 +23,7 @@
 //! }
 //!
 //! # async fn doc(pool: sqlx::PgPool) {
-//! txinbox::migrate(&pool).await.unwrap();
+//! txinbox::postgres::migrate(&pool).await.unwrap();
 //! let idempotent = IdempotencyLayer::new(pool)
 //!     .principal(|parts| parts.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
 //! let app: Router = Router::new().route("/payments", post(pay).layer(idempotent));
@@ -86,6 +86,11 @@
 //! of the application carries a trace yet (no HTTP tracing of its own), that span continues the
 //! request's `traceparent` (through the application's OpenTelemetry propagator), so the handler
 //! and the outbox rows it writes join the caller's trace (see `txinbox::otel`).
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Library crates only: a `pub` item must be reachable from the crate root, so the public API
+// is what the root and its public modules show (tests, tools and binaries have none).
+#![warn(unreachable_pub)]
 
 mod extract;
 mod fingerprint;

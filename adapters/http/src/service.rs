@@ -414,11 +414,13 @@ where
     }
     // Crash-matrix tests (feature `crash-points`): killed with effects and response written,
     // COMMIT not sent.
+    #[cfg(feature = "crash-points")]
     txinbox::crash::hit(txinbox::crash::AFTER_HANDLER);
     if let Err(e) = tx.commit().await {
         return commit_failed(&e, c);
     }
     // Crash-matrix tests: killed after COMMIT, before the response leaves.
+    #[cfg(feature = "crash-points")]
     txinbox::crash::hit(txinbox::crash::AFTER_COMMIT);
     telemetry::stored_bytes(&route, body.as_ref().map_or(0, |b| b.len()));
     let body = match body {

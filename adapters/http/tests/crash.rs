@@ -189,7 +189,7 @@ async fn sqlite_kill_at(point: &str) -> txinbox::sqlx::SqlitePool {
         let _ = std::fs::remove_file(format!("{path}{suffix}"));
     }
     let p = sqlite_pool(&path).await;
-    txinbox::migrate_sqlite(&p).await.unwrap();
+    txinbox::sqlite::migrate(&p).await.unwrap();
     p.execute("CREATE TABLE effects (seq INTEGER PRIMARY KEY)")
         .await
         .unwrap();

@@ -35,7 +35,7 @@ async fn db() -> (SqlitePool, std::path::PathBuf) {
         .connect_with(options)
         .await
         .unwrap();
-    txinbox::migrate_sqlite(&pool).await.unwrap();
+    txinbox::sqlite::migrate(&pool).await.unwrap();
     pool.execute(
         "CREATE TABLE effects (seq INTEGER PRIMARY KEY, principal TEXT NOT NULL, amount INTEGER NOT NULL)",
     )

@@ -64,7 +64,7 @@ fn outcomes_are_counted_and_recorded_on_the_span() {
                         )
                         .await
                         .unwrap();
-                    txinbox::migrate_sqlite(&pool).await.unwrap();
+                    txinbox::sqlite::migrate(&pool).await.unwrap();
                     let layer = IdempotencyLayer::new(pool).principal(|_| Some("p".into()));
                     let app = Router::new().route("/t", post(handler).layer(layer));
                     let send = |key: &str, body: &'static str| {

@@ -87,7 +87,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             admin_db.database("txinbox_kafka_example"),
         ))
         .await?;
-    txinbox::migrate(&pool).await?;
+    txinbox::postgres::migrate(&pool).await?;
     pool.execute("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .await?;
 

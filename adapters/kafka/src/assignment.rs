@@ -10,12 +10,14 @@ use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, RebalanceProtocol};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
-use txinbox::{Backoff, ConsumerPositions, StoreError};
+use txinbox::position::ConsumerPositions;
+use txinbox::retry::Backoff;
+use txinbox::store::StoreError;
 
 use crate::config::MissingPosition;
-use crate::metrics_names;
 use crate::poller::PollerContext;
 use crate::state::{Shared, State};
+use crate::telemetry;
 use crate::tracker::Partition;
 
 /// How long one attempt to load database positions may take during an assignment.
@@ -40,7 +42,7 @@ impl PollerContext {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.revoke(consumer, tpl, cooperative),
             other => {
                 tracing::warn!(error = ?other, "rebalance error; dropping the assignment");
-                metrics::counter!(metrics_names::REBALANCES, "kind" => "error").increment(1);
+                metrics::counter!(telemetry::REBALANCES, "kind" => "error").increment(1);
                 self.forget(tpl, cooperative);
                 let result = if cooperative {
                     consumer.incremental_unassign(tpl)
@@ -55,7 +57,7 @@ impl PollerContext {
     }
 
     fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, cooperative: bool) {
-        metrics::counter!(metrics_names::REBALANCES, "kind" => "assign").increment(1);
+        metrics::counter!(telemetry::REBALANCES, "kind" => "assign").increment(1);
         let mut tpl = tpl.clone();
         let config = &self.shared.config;
         let topics: BTreeSet<String> = tpl.elements().iter().map(|e| e.topic().to_owned()).collect();
@@ -317,7 +319,7 @@ impl PollerContext {
     }
 
     fn revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList, cooperative: bool) {
-        metrics::counter!(metrics_names::REBALANCES, "kind" => "revoke").increment(1);
+        metrics::counter!(telemetry::REBALANCES, "kind" => "revoke").increment(1);
         let lost = consumer.assignment_lost();
         let keys: Vec<(String, i32)> = tpl
             .elements()
@@ -356,6 +358,7 @@ impl PollerContext {
         drop(state);
         // The revoked partitions are drained, their final offsets not yet committed: a crash
         // here must leave the new owner to start from the database positions.
+        #[cfg(feature = "crash-points")]
         txinbox::crash::hit(txinbox::crash::REBALANCE);
         if lost {
             tracing::info!(

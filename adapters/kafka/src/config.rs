@@ -87,7 +87,7 @@ pub struct KafkaConfig {
 pub enum MissingPosition {
     /// Do not consume the partition: it is assigned but held paused, an ERROR names it, the
     /// group's offset and the ways out, and the gauge
-    /// [`txinbox_kafka_partitions_blocked`](crate::metrics_names::PARTITIONS_BLOCKED) counts it.
+    /// [`txinbox_kafka_partitions_blocked`](crate::telemetry::PARTITIONS_BLOCKED) counts it.
     /// The source re-reads the database every 2 s: once a position is written (`txinbox
     /// positions set --to-earliest`, `txinbox positions adopt`), the partition starts there
     /// without a restart. The default.

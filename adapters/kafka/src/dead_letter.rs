@@ -6,11 +6,13 @@ use std::time::Duration;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
-use txinbox::{Backoff, DeadLetter, SettleError};
+use txinbox::dead_letter::DeadLetter;
+use txinbox::retry::Backoff;
+use txinbox::source::SettleError;
 
 use crate::delivery::KafkaDelivery;
 use crate::produce::{self, Failure};
-use crate::{headers, metrics_names};
+use crate::{headers, telemetry};
 
 /// A dead letter waiting on a transient failure logs a warning on its first failure and then
 /// on every this many.
@@ -24,11 +26,11 @@ impl KafkaDelivery {
     /// - Too large for the producer or the topic: the copy leaves the payload out, then the
     ///   original headers too, with headers saying so ([`headers::PAYLOAD`]).
     /// - Refused for good (authorization, invalid topic, still too large): logged at ERROR,
-    ///   counted ([`metrics_names::DEAD_LETTERS_REFUSED`]) and settled: the runtime has
+    ///   counted ([`telemetry::DEAD_LETTERS_REFUSED`]) and settled: the runtime has
     ///   already recorded the dead letter in the database, which is the record; the partition
     ///   goes on.
     /// - Transient: retried while the partition stays assigned (fail closed), counted in the
-    ///   gauge [`metrics_names::DEAD_LETTERS_WAITING`] and logged with the partition on the
+    ///   gauge [`telemetry::DEAD_LETTERS_WAITING`] and logged with the partition on the
     ///   first failure and every [`DEAD_LETTER_WARN_EVERY`] after it.
     pub(crate) async fn produce_dead_letter(&self, dl: &DeadLetter) -> Result<(), SettleError> {
         let config = &self.shared.config;
@@ -44,10 +46,10 @@ impl KafkaDelivery {
             }
             let (failure, error, code) = match self.try_produce(&topic, dl, form, digest.as_ref()).await {
                 Ok(()) => {
-                    metrics::counter!(metrics_names::DEAD_LETTERS_PRODUCED, "topic" => topic.clone())
+                    metrics::counter!(telemetry::DEAD_LETTERS_PRODUCED, "topic" => topic.clone())
                         .increment(1);
                     if form != Form::Whole {
-                        metrics::counter!(metrics_names::DEAD_LETTERS_REDUCED, "topic" => topic.clone(), "form" => form.name())
+                        metrics::counter!(telemetry::DEAD_LETTERS_REDUCED, "topic" => topic.clone(), "form" => form.name())
                             .increment(1);
                     }
                     if failures > 0 {
@@ -81,7 +83,7 @@ impl KafkaDelivery {
                         %error,
                         "the dead-letter topic refused the dead letter for good; the database's dead_letters row is its record and the partition goes on; fix the topic (ACLs, name, max.message.bytes) and requeue it from the database if needed"
                     );
-                    metrics::counter!(metrics_names::DEAD_LETTERS_REFUSED, "topic" => topic.clone(), "code" => code)
+                    metrics::counter!(telemetry::DEAD_LETTERS_REFUSED, "topic" => topic.clone(), "code" => code)
                         .increment(1);
                     return Ok(());
                 }
@@ -245,7 +247,7 @@ impl Form {
     }
 }
 
-/// One dead letter counted in [`metrics_names::DEAD_LETTERS_WAITING`] while it lives (also
+/// One dead letter counted in [`telemetry::DEAD_LETTERS_WAITING`] while it lives (also
 /// when the settlement is dropped: shutdown, revocation).
 struct Waiting {
     topic: String,
@@ -253,14 +255,14 @@ struct Waiting {
 
 impl Waiting {
     fn new(topic: String) -> Self {
-        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => topic.clone()).increment(1.0);
+        metrics::gauge!(telemetry::DEAD_LETTERS_WAITING, "topic" => topic.clone()).increment(1.0);
         Waiting { topic }
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        metrics::gauge!(metrics_names::DEAD_LETTERS_WAITING, "topic" => self.topic.clone()).decrement(1.0);
+        metrics::gauge!(telemetry::DEAD_LETTERS_WAITING, "topic" => self.topic.clone()).decrement(1.0);
     }
 }
 

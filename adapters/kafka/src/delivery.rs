@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use txinbox::{Delivery, Lane, Message, Position, SettleError, Settlement};
+use txinbox::{position::Position, source::Lane, source::SettleError, source::Settlement, Delivery, Message};
 
 use crate::state::Shared;
 use crate::tracker::Generation;

@@ -1,4 +1,4 @@
-//! Kafka source adapter for [txinbox](txinbox): effectively-once effects from a Kafka consumer
+//! Kafka source adapter for [txinbox]: effectively-once effects from a Kafka consumer
 //! group.
 //!
 //! [`KafkaSource`] implements [`txinbox::MessageSource`] over rdkafka (bundled, statically
@@ -31,7 +31,7 @@
 //!
 //! The source reports to the consumer's [`txinbox::health::Health`] the partitions assigned
 //! (`topic/partition`, after every rebalance) and the broker connection (from librdkafka's
-//! statistics: connected while any broker is up). [`metrics_names::LAG`] is the high
+//! statistics: connected while any broker is up). [`telemetry::LAG`] is the high
 //! watermark minus the database position per partition, from the same statistics, every
 //! `statistics.interval.ms` (5 s unless set). Both are read on the poller thread without
 //! network calls.
@@ -49,8 +49,8 @@
 //! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
 //! | handler error: permanent, undecodable payload, attempts exhausted | dead letter on `<topic>.dlq` with `txinbox.dlq.*` headers, confirmed before the offset is stored; the partition moves on |
 //! | dead letter too large for the dead-letter topic | a copy without the payload (size and SHA-256 in headers), then without the original headers too; the partition moves on |
-//! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`metrics_names::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
-//! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`metrics_names::DEAD_LETTERS_WAITING`] and a WARN with the partition |
+//! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`telemetry::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
+//! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`telemetry::DEAD_LETTERS_WAITING`] and a WARN with the partition |
 //! | two consumer groups under one consumer name | the source stops with a fatal error (they would share one inbox and skip each other's messages) |
 //! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
 //!
@@ -63,6 +63,11 @@
 //!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
 //! - `Debug` output and client-creation errors mask secret property values
 //!   ([`txinbox::redact`]).
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+// Library crates only: a `pub` item must be reachable from the crate root, so the public API
+// is what the root and its public modules show (tests, tools and binaries have none).
+#![warn(unreachable_pub)]
 
 mod assignment;
 mod config;
@@ -114,7 +119,7 @@ pub mod headers {
 }
 
 /// Metric names this crate records (through the `metrics` facade).
-pub mod metrics_names {
+pub mod telemetry {
     /// Counter, label `kind` (`assign`, `revoke`, `error`): rebalance callbacks.
     pub const REBALANCES: &str = "txinbox_kafka_rebalances_total";
     /// Counter: partitions paused because too many of their messages were unsettled.

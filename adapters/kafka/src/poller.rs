@@ -11,11 +11,11 @@ use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
-use txinbox::{Headers, Message, Origin, SourceError};
+use txinbox::{message::Headers, message::Origin, source::SourceError, Message};
 
 use crate::assignment::Recheck;
-use crate::metrics_names;
 use crate::state::{Item, Shared};
+use crate::telemetry;
 
 /// How long one `poll` waits; also the longest delay before a settled offset is stored.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
@@ -72,7 +72,7 @@ impl ClientContext for PollerContext {
         };
         let gauge = |topic: &str, partition: i32| {
             metrics::gauge!(
-                metrics_names::LAG,
+                telemetry::LAG,
                 "consumer" => consumer.to_string(),
                 "topic" => topic.to_owned(),
                 "partition" => partition.to_string()
@@ -258,7 +258,7 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
         }
     }
     if pause.count() > 0 {
-        metrics::counter!(metrics_names::PAUSES).increment(pause.count() as u64);
+        metrics::counter!(telemetry::PAUSES).increment(pause.count() as u64);
         tracing::debug!(
             partitions = pause.count(),
             "pausing partitions: too many unsettled messages"

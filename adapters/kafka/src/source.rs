@@ -9,7 +9,9 @@ use async_trait::async_trait;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use tokio::sync::{mpsc, oneshot};
-use txinbox::{Capabilities, ConsumerPositions, IdStrategy, MessageSource, RetryMode, SourceError};
+use txinbox::position::ConsumerPositions;
+use txinbox::source::{Capabilities, RetryMode, SourceError};
+use txinbox::{IdStrategy, MessageSource};
 
 use crate::config::{masked_error, KafkaConfig};
 use crate::delivery::KafkaDelivery;

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use rdkafka::producer::FutureProducer;
-use txinbox::{ConsumerPositions, Message};
+use txinbox::{position::ConsumerPositions, Message};
 
 use crate::config::KafkaConfig;
-use crate::metrics_names;
+use crate::telemetry;
 use crate::tracker::{Generation, Partition};
 
 /// State shared by the source, the poller thread, the rebalance callback and the deliveries.
@@ -89,7 +89,7 @@ impl State {
 
     pub(crate) fn count_blocked(&self, topic: &str, blocked: bool) {
         let gauge = metrics::gauge!(
-            metrics_names::PARTITIONS_BLOCKED,
+            telemetry::PARTITIONS_BLOCKED,
             "consumer" => self.consumer.to_string(),
             "topic" => topic.to_owned()
         );

@@ -15,8 +15,8 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientConfig;
-use txinbox::{async_trait, Headers, Message, Origin, StoreError};
-use txinbox::{ConsumerPositions, MessageSource as _, PositionStore};
+use txinbox::{async_trait, message::Headers, message::Origin, store::StoreError, Message};
+use txinbox::{position::ConsumerPositions, position::PositionStore, MessageSource as _};
 use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, MissingPosition};
 use txinbox_testing::conformance::{publisher, source};
 

@@ -176,7 +176,7 @@ async fn tansu_lag_and_health_are_reported() {
             .snapshot()
             .into_vec()
             .into_iter()
-            .filter(|(key, ..)| key.key().name() == txinbox_kafka::metrics_names::LAG)
+            .filter(|(key, ..)| key.key().name() == txinbox_kafka::telemetry::LAG)
             .filter(|(key, ..)| {
                 key.key()
                     .labels()

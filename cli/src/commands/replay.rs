@@ -12,7 +12,7 @@ use std::fmt::Write;
 use serde_json::json;
 use txinbox::ops::replay::{self, Verdict};
 use txinbox::ops::{retention, status, Timestamp};
-use txinbox::{Headers, Message, Origin};
+use txinbox::{message::Headers, message::Origin, Message};
 
 use crate::error::{db, CliError};
 use crate::kafka::{Kafka, Record};

@@ -455,7 +455,7 @@ impl SqliteDb {
         let inbox = txinbox::SqliteInbox::open(&path, 4)
             .await
             .expect("open the SQLite file");
-        txinbox::migrate_sqlite(inbox.pool())
+        txinbox::sqlite::migrate(inbox.pool())
             .await
             .expect("migrate SQLite");
         SqliteDb {

@@ -9,7 +9,7 @@ use std::path::Path;
 fn known() -> BTreeSet<&'static str> {
     use txinbox::telemetry as t;
     use txinbox_amqp::telemetry as a;
-    use txinbox_kafka::metrics_names as k;
+    use txinbox_kafka::telemetry as k;
     [
         t::PROCESSED,
         t::DUPLICATES,
@@ -61,7 +61,7 @@ fn names_in(text: &str) -> BTreeSet<String> {
         let end = text[start..]
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .map_or(text.len(), |n| start + n);
-        // `txinbox_kafka::metrics_names` in a comment is a crate path, not a metric.
+        // `txinbox_kafka::telemetry` in a comment is a crate path, not a metric.
         let path = text[end..].starts_with("::");
         if boundary && !path {
             names.insert(text[start..end].to_owned());

@@ -138,10 +138,10 @@ impl<P> fmt::Debug for Relay<P> {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub enum OutboxPool {
-    /// `txinbox.outbox` in PostgreSQL ([`migrate`](crate::migrate)).
+    /// `txinbox.outbox` in PostgreSQL ([`postgres::migrate`](crate::postgres::migrate)).
     #[cfg(feature = "postgres")]
     Postgres(PgPool),
-    /// `txinbox_outbox` in SQLite ([`migrate_sqlite`](crate::migrate_sqlite)).
+    /// `txinbox_outbox` in SQLite ([`sqlite::migrate`](crate::sqlite::migrate)).
     #[cfg(feature = "sqlite")]
     Sqlite(SqlitePool),
 }
@@ -165,8 +165,8 @@ const MAX_OUTAGE_PAUSE: Duration = Duration::from_secs(30);
 
 impl<P: Publisher> Relay<P> {
     /// A relay over the outbox in `pool`'s database — a `PgPool` (run
-    /// [`migrate`](crate::migrate) first) or a `SqlitePool` (run
-    /// [`migrate_sqlite`](crate::migrate_sqlite) first) — publishing through `publisher`.
+    /// [`postgres::migrate`](crate::postgres::migrate) first) or a `SqlitePool` (run
+    /// [`sqlite::migrate`](crate::sqlite::migrate) first) — publishing through `publisher`.
     ///
     /// Metric handles are resolved here: install your recorder before.
     pub fn new(pool: impl Into<OutboxPool>, publisher: P, config: RelayConfig) -> Result<Self, RelayError> {

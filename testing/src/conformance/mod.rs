@@ -14,7 +14,7 @@
 //! all at once with `run_all`.
 //!
 //! A case the implementation cannot take part in (a source whose [`RetryMode`] is
-//! [`InPlace`](RetryMode::InPlace) is never asked to redeliver later; a harness that cannot
+//! [`InPlace`](txinbox::source::RetryMode::InPlace) is never asked to redeliver later; a harness that cannot
 //! read dead letters back) **passes with a printed `SKIPPED` line** saying why; run with
 //! `--nocapture` to see them. It never passes silently.
 //!
@@ -60,7 +60,7 @@
 //! # fn main() {}
 //! ```
 //!
-//! [`RetryMode`]: txinbox::RetryMode
+//! [`RetryMode`]: txinbox::source::RetryMode
 
 pub mod publisher;
 pub mod source;

@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use txinbox::outbox::{OutboxMessage, Publisher, ID_HEADER};
-use txinbox::{async_trait, Headers};
+use txinbox::{async_trait, message::Headers};
 
 use super::{skipped, within};
 
@@ -60,7 +60,7 @@ pub struct Published {
     /// The payload.
     pub payload: Vec<u8>,
     /// The key as the broker carries it (Kafka record key; RabbitMQ header
-    /// `txinbox_amqp::KEY_HEADER`).
+    /// `txinbox_amqp::headers::KEY`).
     pub key: Option<Vec<u8>>,
     /// The headers, including [`ID_HEADER`].
     pub headers: Headers,

@@ -39,15 +39,16 @@ use std::time::Duration;
 
 use txinbox::sqlx;
 use txinbox::{
-    Claim, DeadLetterOutcome, DeadLetterReason, DeadLetterRecord, Entry, Headers, IdStrategy, InboxStatus,
-    InboxStore, Message, Origin, Position,
+    dead_letter::DeadLetterReason, message::Headers, message::Origin, position::Position, store::Claim,
+    store::DeadLetterOutcome, store::DeadLetterRecord, store::Entry, store::InboxStatus, IdStrategy,
+    InboxStore, Message,
 };
 
 /// A message at a source position of its own: the same ID and payload give the same offset
 /// (a redelivery of one record), anything else another (another record).
 fn message(id: &str, payload: &'static str) -> Message {
     let offset = i64::from_le_bytes(
-        txinbox::Fingerprint::PayloadBytes.of(&Message::new(
+        txinbox::message::Fingerprint::PayloadBytes.of(&Message::new(
             format!("{id}\0{payload}"),
             Origin::new("memory", "orders"),
         ))[..8]
@@ -70,7 +71,7 @@ impl Keyed {
     fn new(id: &str, payload: &'static str) -> Keyed {
         let msg = message(id, payload);
         let id = IdStrategy::Native.derive(&msg).unwrap();
-        let fp = txinbox::Fingerprint::PayloadBytes.of(&msg);
+        let fp = txinbox::message::Fingerprint::PayloadBytes.of(&msg);
         Keyed { msg, id, fp }
     }
     fn entry<'a>(&'a self, consumer: &'a str) -> Entry<'a> {

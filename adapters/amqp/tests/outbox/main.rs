@@ -20,7 +20,8 @@ use sqlx::postgres::PgPool;
 use sqlx::{Executor, Postgres};
 use txinbox::outbox::{self, OutboxMessage, Publisher, Relay, RelayConfig, ID_HEADER};
 use txinbox::{async_trait, Context, Handler, HandlerError, Message, RetryPolicy};
-use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource, KEY_HEADER};
+use txinbox_amqp::headers;
+use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource};
 use txinbox_testing::database::TestDatabase;
 
 fn amqp_url() -> String {
@@ -206,7 +207,7 @@ impl Handler<Postgres> for ApplyHandler {
         let event: Event = msg.json()?;
         sqlx::query("INSERT INTO b_effects (message_id, customer, event) VALUES ($1, $2, $3)")
             .bind(cx.message_id().as_str())
-            .bind(msg.headers().get_str(KEY_HEADER))
+            .bind(msg.headers().get_str(headers::KEY))
             .bind(format!("{}/{}", event.order, event.step))
             .execute(cx.db())
             .await?;
@@ -387,7 +388,7 @@ async fn pipeline_exactly_once_with_relay_killed_between_publish_and_mark() {
     let b = Running::start(
         &pool,
         "service-b",
-        AmqpConfig::new(amqp_url(), &events_q).lane_header(KEY_HEADER),
+        AmqpConfig::new(amqp_url(), &events_q).lane_header(headers::KEY),
         ApplyHandler,
     )
     .await;
@@ -580,7 +581,7 @@ async fn two_relays_on_one_outbox_publish_every_row_in_key_order() {
             Some(lapin::types::AMQPValue::LongString(s)) => assert_eq!(s.as_bytes(), id.as_bytes()),
             other => panic!("ID header: {other:?}"),
         }
-        let key = match headers.inner().get(KEY_HEADER) {
+        let key = match headers.inner().get(headers::KEY) {
             Some(lapin::types::AMQPValue::LongString(s)) => {
                 String::from_utf8_lossy(s.as_bytes()).into_owned()
             }

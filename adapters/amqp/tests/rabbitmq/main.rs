@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use lapin::types::FieldTable;
 use txinbox::HandlerError;
-use txinbox_amqp::{AmqpConfig, AmqpSource, Error};
+use txinbox_amqp::{AmqpConfig, AmqpError, AmqpSource};
 
 use support::*;
 
@@ -295,9 +295,9 @@ async fn transient_failure_is_retried_after_its_delay_and_permanent_one_is_dead_
         (1, 2),
         "attempts counted in Postgres"
     );
-    assert_eq!(starts[0].headers.get_str(txinbox_amqp::RETRY_HEADER), None);
+    assert_eq!(starts[0].headers.get_str(txinbox_amqp::headers::RETRY), None);
     assert_eq!(
-        starts[1].headers.get_str(txinbox_amqp::RETRY_HEADER),
+        starts[1].headers.get_str(txinbox_amqp::headers::RETRY),
         Some("1"),
         "the retry copy is marked"
     );
@@ -497,13 +497,13 @@ async fn bad_credentials_fail_at_connect_without_leaking_the_password() {
     let err = AmqpSource::connect(AmqpConfig::new(url, unique("creds")))
         .await
         .expect_err("wrong password is refused");
-    assert!(matches!(err, Error::Broker { .. }), "{err:?}");
+    assert!(matches!(err, AmqpError::Broker { .. }), "{err:?}");
     assert!(err.is_fatal(), "retrying cannot fix credentials: {err}");
     assert!(!format!("{err} {err:?}").contains("wr0ng-s3cret"), "{err:?}");
     let invalid = AmqpSource::connect(AmqpConfig::new(amqp_url(), "q").prefetch(0))
         .await
         .expect_err("invalid config");
-    assert!(matches!(invalid, Error::Config(_)) && invalid.is_fatal());
+    assert!(matches!(invalid, AmqpError::Config(_)) && invalid.is_fatal());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -554,7 +554,7 @@ async fn an_unroutable_retry_copy_leaves_the_original_unacked_and_requeues_it_af
         "requeued after requeue_delay, not at once: {gap:?}"
     );
     assert_eq!(
-        starts[1].headers.get_str(txinbox_amqp::RETRY_HEADER),
+        starts[1].headers.get_str(txinbox_amqp::headers::RETRY),
         None,
         "the second attempt is the original, requeued"
     );

@@ -16,8 +16,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use sqlx::postgres::PgPool;
 use txinbox::{
-    async_trait, Capabilities, Consumer, Delivery, Lane, Message, MessageSource, RetryPolicy, SettleError,
-    Settlement, SourceError,
+    async_trait, source::Capabilities, source::Lane, source::SettleError, source::Settlement,
+    source::SourceError, Consumer, Delivery, Message, MessageSource, RetryPolicy,
 };
 use txinbox_amqp::{AmqpConfig, AmqpMonitor, AmqpSource};
 use txinbox_testing::database::TestDatabase;

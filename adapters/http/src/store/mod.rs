@@ -56,7 +56,7 @@ pub struct Response<'a> {
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
-    /// Lost a lock conflict ([`txinbox::is_lock_conflict`]): waited longer than the lock wait
+    /// Lost a lock conflict ([`txinbox::store::is_lock_conflict`]): waited longer than the lock wait
     /// for the key's row (another request holds it), a deadlock or a serialization failure
     /// (409, retry later).
     LockWait,
@@ -75,7 +75,7 @@ mod sealed {
 }
 
 /// A database that can hold idempotency records: `sqlx::Postgres` or `sqlx::Sqlite`
-/// (sealed). Run `txinbox::migrate` / `txinbox::migrate_sqlite` first.
+/// (sealed). Run `txinbox::postgres::migrate` / `txinbox::sqlite::migrate` first.
 ///
 /// | | PostgreSQL | SQLite |
 /// |---|---|---|

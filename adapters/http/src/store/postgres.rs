@@ -131,10 +131,10 @@ pub(crate) async fn store(
 }
 
 /// How a PostgreSQL error answers the client. A lost lock conflict (lock wait, deadlock,
-/// serialization failure) is decided by [`txinbox::is_lock_conflict`], as for the inbox: the
+/// serialization failure) is decided by [`txinbox::store::is_lock_conflict`], as for the inbox: the
 /// database is fine and a retry can succeed, so it is not reported as an outage.
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
-    if txinbox::is_lock_conflict(e) {
+    if txinbox::store::is_lock_conflict(e) {
         return Failure::LockWait;
     }
     match e {

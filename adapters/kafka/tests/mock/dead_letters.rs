@@ -8,7 +8,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::ClientConfig;
 use sha2::{Digest, Sha256};
-use txinbox_kafka::{headers, metrics_names};
+use txinbox_kafka::{headers, telemetry};
 
 use super::common::*;
 use super::{metrics, setup_topic, Command};
@@ -162,12 +162,12 @@ async fn refused_dead_letter_topic_is_counted_and_the_partition_moves_on() {
     );
     assert_eq!(db.positions(&topic).await[&0], 3, "the partition moved on");
     assert_eq!(
-        metrics::counter(metrics_names::DEAD_LETTERS_REFUSED, ("topic", dlq)),
+        metrics::counter(telemetry::DEAD_LETTERS_REFUSED, ("topic", dlq)),
         1,
         "the refusal is counted"
     );
     assert_eq!(
-        metrics::gauge(metrics_names::DEAD_LETTERS_WAITING, ("topic", dlq)),
+        metrics::gauge(telemetry::DEAD_LETTERS_WAITING, ("topic", dlq)),
         0.0,
         "nothing left waiting"
     );
@@ -205,7 +205,7 @@ async fn unavailable_dead_letter_topic_holds_the_partition_visibly_until_it_is_b
     super::wait_for(
         Duration::from_secs(20),
         "the dead letter is reported waiting",
-        || async { metrics::gauge(metrics_names::DEAD_LETTERS_WAITING, ("topic", dlq)) == 1.0 },
+        || async { metrics::gauge(telemetry::DEAD_LETTERS_WAITING, ("topic", dlq)) == 1.0 },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -219,7 +219,7 @@ async fn unavailable_dead_letter_topic_holds_the_partition_visibly_until_it_is_b
     mock.call(|d| Command::TopicError(dlq.into(), RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR, d));
     db.wait_applied(2, Duration::from_secs(30)).await;
     assert_eq!(
-        metrics::gauge(metrics_names::DEAD_LETTERS_WAITING, ("topic", dlq)),
+        metrics::gauge(telemetry::DEAD_LETTERS_WAITING, ("topic", dlq)),
         0.0
     );
     let dead = tokio::task::spawn_blocking({
@@ -234,7 +234,7 @@ async fn unavailable_dead_letter_topic_holds_the_partition_visibly_until_it_is_b
     running.stop().await;
     assert_eq!(db.positions(&topic).await[&0], 3);
     assert_eq!(
-        metrics::counter(metrics_names::DEAD_LETTERS_REFUSED, ("topic", dlq)),
+        metrics::counter(telemetry::DEAD_LETTERS_REFUSED, ("topic", dlq)),
         0,
         "a transient failure is not a refusal"
     );

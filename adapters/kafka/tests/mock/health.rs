@@ -3,7 +3,7 @@
 //! position.
 
 use txinbox::health::BrokerStatus;
-use txinbox_kafka::{metrics_names, KafkaSource};
+use txinbox_kafka::{telemetry, KafkaSource};
 
 use super::metrics::{gauge_mark, gauge_values, install};
 use super::*;
@@ -52,7 +52,7 @@ async fn lag_and_assignment_are_reported() {
 
     let lag_seen = |partition: &str, mark: usize| {
         gauge_values(
-            metrics_names::LAG,
+            telemetry::LAG,
             &[("topic", &topic), ("partition", partition)],
             mark,
         )

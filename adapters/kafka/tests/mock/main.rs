@@ -678,7 +678,7 @@ async fn malformed_payload_and_missing_id_are_dead_lettered() {
 /// delivery dropped unsettled, and later deliveries of that partition withhold their position.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_delivery_leaves_its_offset_unstored() {
-    use txinbox::{Delivery, MessageSource, Settlement};
+    use txinbox::{source::Settlement, Delivery, MessageSource};
     let (mock, topic) = setup(1);
     let db = TestDb::new().await;
     let producer = Producer::new(&mock.bootstrap);
@@ -686,7 +686,7 @@ async fn dropped_delivery_leaves_its_offset_unstored() {
 
     let config = kafka_config(&mock.bootstrap, "g-dropped", &topic);
     let mut source = txinbox_kafka::KafkaSource::new(config).unwrap();
-    source.attach_positions(txinbox::ConsumerPositions::new(CONSUMER, db.inbox()));
+    source.attach_positions(txinbox::position::ConsumerPositions::new(CONSUMER, db.inbox()));
     let mut deliveries = Vec::new();
     for _ in 0..5 {
         let d = tokio::time::timeout(Duration::from_secs(30), source.receive())
@@ -755,7 +755,7 @@ async fn backlogged_partitions_are_handed_out_in_turn() {
 
     let config = kafka_config(&mock.bootstrap, "g-fairness", &topic).max_buffered_per_partition(10_000);
     let mut source = txinbox_kafka::KafkaSource::new(config).unwrap();
-    source.attach_positions(txinbox::ConsumerPositions::new(CONSUMER, db.inbox()));
+    source.attach_positions(txinbox::position::ConsumerPositions::new(CONSUMER, db.inbox()));
     let first = tokio::time::timeout(Duration::from_secs(30), source.receive())
         .await
         .expect("a delivery within 30 s")

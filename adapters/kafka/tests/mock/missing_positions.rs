@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use txinbox::sqlx;
-use txinbox_kafka::{metrics_names, MissingPosition};
+use txinbox_kafka::{telemetry, MissingPosition};
 
 use super::common::*;
 use super::{group_offsets, metrics, setup_topic, wait_for, Mock};
@@ -103,7 +103,7 @@ async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
     wait_for(
         Duration::from_secs(15),
         "partition 1 is reported blocked",
-        || async { metrics::gauge(metrics_names::PARTITIONS_BLOCKED, ("topic", &topic)) == 1.0 },
+        || async { metrics::gauge(telemetry::PARTITIONS_BLOCKED, ("topic", &topic)) == 1.0 },
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -124,7 +124,7 @@ async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
     .unwrap();
     db.wait_applied(60, Duration::from_secs(30)).await;
     assert_eq!(
-        metrics::gauge(metrics_names::PARTITIONS_BLOCKED, ("topic", &topic)),
+        metrics::gauge(telemetry::PARTITIONS_BLOCKED, ("topic", &topic)),
         0.0
     );
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -3,7 +3,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use txinbox::{DeadLetter, DeadLetterReason, Delivery, Lane, MessageSource, RetryMode, Settlement};
+use txinbox::{
+    dead_letter::DeadLetter, dead_letter::DeadLetterReason, source::Lane, source::RetryMode,
+    source::Settlement, Delivery, MessageSource,
+};
 
 use super::support::{ack, payload, poll_once, settle, Case};
 use super::Harness;

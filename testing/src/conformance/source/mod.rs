@@ -1,16 +1,16 @@
-//! The [`MessageSource`]/[`Delivery`] suite: what every broker adapter must do, whatever the
+//! The [`MessageSource`]/[`Delivery`](txinbox::Delivery) suite: what every broker adapter must do, whatever the
 //! broker.
 //!
 //! | case | the contract it checks |
 //! |---|---|
 //! | [`ack_is_final`] | payload and headers arrive as published; an acked delivery is not delivered again, not even by a source opened later |
-//! | [`retry_redelivers_later`] | `Settlement::Retry { after }` delivers the message again, not before `after` (sources with [`RetryMode::Redeliver`]) |
+//! | [`retry_redelivers_later`] | `Settlement::Retry { after }` delivers the message again, not before `after` (sources with [`RetryMode::Redeliver`](txinbox::source::RetryMode::Redeliver)) |
 //! | [`dead_letter_moves_it_aside`] | `Settlement::DeadLetter` ends the delivery (not delivered again) and the message reaches the dead-letter target |
 //! | [`dropped_delivery_is_redelivered`] | a delivery dropped unsettled comes back: from the open source if [`Features::redelivers_while_open`], else from the next one opened after `close` |
 //! | [`close_returns_with_a_delivery_in_flight`] | `close` returns while a delivery is still held; that delivery, never settled, comes back |
 //! | [`receive_survives_cancellation`] | `receive` futures dropped after each poll lose nothing and duplicate nothing |
 //! | [`settle_survives_cancellation`] | a `settle` future dropped after one poll may or may not settle, but never loses the message |
-//! | [`lanes_keep_publish_order`] | deliveries of one key in one [`Lane::Ordered`](txinbox::Lane) arrive in publish order |
+//! | [`lanes_keep_publish_order`] | deliveries of one key in one [`Lane::Ordered`](txinbox::source::Lane) arrive in publish order |
 //!
 //! Each case takes a fresh [`Harness`] (a new topic or queue) and panics, with a message
 //! saying what went wrong, when the implementation breaks the contract. The suite's own unit
@@ -25,7 +25,7 @@ mod tests;
 
 use std::time::Duration;
 
-use txinbox::{async_trait, Headers, Message, MessageSource};
+use txinbox::{async_trait, message::Headers, Message, MessageSource};
 
 pub use cases::{
     ack_is_final, close_returns_with_a_delivery_in_flight, dead_letter_moves_it_aside,

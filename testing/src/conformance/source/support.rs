@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use txinbox::{Delivery, Headers, MessageSource, Settlement};
+use txinbox::{message::Headers, source::Settlement, Delivery, MessageSource};
 
 use super::{Features, Harness, TestMessage};
 use crate::conformance::within;

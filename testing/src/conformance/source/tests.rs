@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use txinbox::memory::{MemoryDelivery, MemorySource};
 use txinbox::{
-    async_trait, Capabilities, Delivery, Lane, Message, MessageSource, SettleError, Settlement, SourceError,
+    async_trait, source::Capabilities, source::Lane, source::SettleError, source::Settlement,
+    source::SourceError, Delivery, Message, MessageSource,
 };
 
 use super::*;
