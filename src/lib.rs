@@ -71,9 +71,11 @@
 //! The root holds what every user of the crate names: the consumer, the handler, the message,
 //! the stores, the errors. Everything else sits in a module by concern, as in sqlx:
 //! [`consumer`] (defaults), [`handler`] (batch forms), [`message`] (identity, fingerprint,
-//! headers, origin), [`source`] (what an adapter implements and reports), [`store`] (what an
-//! inbox store implements), [`postgres`] and [`sqlite`] (the stores and their migrations),
-//! [`outbox`], [`health`], [`telemetry`], [`redact`], [`ops`].
+//! headers, origin), [`source`] (what an adapter implements and reports), [`position`] (the
+//! positions a consumer stores and hands to its source), [`dead_letter`] (what a dead letter
+//! carries, and why), [`retry`] (retry policy, backoff), [`store`] (what an inbox store
+//! implements), [`postgres`] and [`sqlite`] (the stores and their migrations), [`outbox`],
+//! [`health`], [`telemetry`], [`redact`], [`ops`].
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // Library crates only: a `pub` item must be reachable from the crate root, so the public API

@@ -9,30 +9,11 @@ use txinbox_testing::conformance::store::{batches, contract, duplicates, subscri
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_conforms() {
-    use sqlx::{ConnectOptions, Executor};
-    let admin: sqlx::postgres::PgConnectOptions = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-        .parse()
-        .unwrap();
-    let name = format!("txinbox_conformance_{}", std::process::id());
-    let mut conn = admin
-        .connect()
-        .await
-        .expect("PostgreSQL at DATABASE_URL (scripts/test starts it)");
-    conn.execute(sqlx::AssertSqlSafe(format!(
-        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-    )))
-    .await
-    .unwrap();
-    conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-        .await
-        .unwrap();
-    let pool = sqlx::postgres::PgPoolOptions::new()
+    let db = txinbox_testing::database::TestDatabase::builder("txinbox_conformance")
         .max_connections(5)
-        .connect_with(txinbox::PostgresInbox::connect_options(admin.database(&name)))
-        .await
-        .unwrap();
-    txinbox::postgres::migrate(&pool).await.unwrap();
+        .create()
+        .await;
+    let pool = db.pool().clone();
     let count_pool = pool.clone();
     contract(
         Arc::new(txinbox::PostgresInbox::new(pool.clone())),
@@ -65,9 +46,7 @@ async fn postgres_store_conforms() {
     })
     .await;
     pool.close().await;
-    conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE {name} WITH (FORCE)")))
-        .await
-        .unwrap();
+    db.drop_database().await;
 }
 
 #[cfg(feature = "sqlite")]
