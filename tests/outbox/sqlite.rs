@@ -13,7 +13,7 @@ use txinbox::{
     async_trait, message::Headers, Consumer, Context, Handler, HandlerError, Message, SqliteInbox,
 };
 
-use super::{assert_key_order, drain, fast_config, write_interleaved, Failure, Recorder};
+use crate::support::{assert_key_order, drain, fast_config, write_interleaved, Failure, Recorder};
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
