@@ -64,6 +64,9 @@ pub struct KafkaSource {
     /// dropped unsent (close, drop), it lets the thread end without having polled.
     start_poller: Option<std::sync::mpsc::SyncSender<()>>,
     poller_done: Option<oneshot::Receiver<()>>,
+    /// Set when a second, different consumer was attached: the source would read one
+    /// consumer's positions while another writes its own, so `receive` refuses to go on.
+    attached_twice: Option<String>,
 }
 
 impl fmt::Debug for KafkaSource {
@@ -149,6 +152,7 @@ impl KafkaSource {
             rx,
             ready: Ready::default(),
             start_poller: Some(start_tx),
+            attached_twice: None,
             poller_done: Some(done_rx),
         })
     }
@@ -167,6 +171,9 @@ impl MessageSource for KafkaSource {
     type Delivery = KafkaDelivery;
 
     async fn receive(&mut self) -> Result<Option<KafkaDelivery>, SourceError> {
+        if let Some(conflict) = &self.attached_twice {
+            return Err(SourceError::fatal(conflict.clone()));
+        }
         if self.shared.positions.get().is_none() {
             return Err(SourceError::fatal(
                 "the Kafka source has no consumer to read positions for: give it to \
@@ -241,16 +248,25 @@ impl MessageSource for KafkaSource {
 
     /// Takes the consumer's name and store: partitions start at this consumer's database
     /// positions, its name labels the metrics and dead letters. The poller starts polling
-    /// (joins the group) now. Only the first call counts.
+    /// (joins the group) now. Only the first call counts; a later call with another
+    /// consumer's name makes every `receive` fail (fatal), as reading one consumer's
+    /// positions for another would restart partitions from the wrong place.
     fn attach_positions(&mut self, positions: ConsumerPositions) {
         let name: Arc<str> = positions.consumer().into();
         if let Err(refused) = self.shared.positions.set(positions) {
             if refused.consumer() != self.shared.consumer_name() {
-                tracing::warn!(
-                    attached = self.shared.consumer_name(),
-                    refused = refused.consumer(),
-                    "the Kafka source already reads another consumer's positions; ignoring the second"
+                // Fail closed: reading one consumer's positions while another commits its own
+                // would restart every partition from the wrong place.
+                let text = format!(
+                    "the Kafka source was given to consumer \"{}\" after it had been attached to \
+                     consumer \"{}\": a source reads the positions of one consumer only; give \
+                     each consumer a source of its own and do not call attach_positions yourself \
+                     on a source you hand to Consumer::builder",
+                    refused.consumer(),
+                    self.shared.consumer_name()
                 );
+                tracing::error!("{text}");
+                self.attached_twice = Some(text);
             }
             return;
         }

@@ -817,3 +817,43 @@ async fn the_source_starts_at_the_positions_of_the_consumer_it_is_given_to() {
         "started at consumer {CONSUMER}'s position, not another consumer's, not the beginning"
     );
 }
+
+/// A source already attached to one consumer and then given to another would read the first
+/// one's positions while the second commits its own: every restart would begin at the wrong
+/// offsets. It fails closed: the consumer stops with an error naming both, and nothing runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_source_attached_to_another_consumer_refuses_to_run_for_this_one() {
+    use txinbox::MessageSource;
+    let (mock, topic) = setup_topic("attached-twice", 1);
+    let db = TestDb::new().await;
+    Producer::new(&mock.bootstrap)
+        .deposits(&topic, 1, "h", 3, 0)
+        .await;
+    let mut source =
+        txinbox_kafka::KafkaSource::new(kafka_config(&mock.bootstrap, "g-attached-twice", &topic)).unwrap();
+    source.attach_positions(txinbox::position::ConsumerPositions::new(
+        "another-service",
+        db.inbox(),
+    ));
+    let consumer = txinbox::Consumer::builder(CONSUMER)
+        .source(source)
+        .inbox(db.inbox())
+        .handler(DepositHandler::default().tagged(1))
+        .build()
+        .expect("the consumer builds; the source refuses at its first receive");
+    let outcome = tokio::time::timeout(Duration::from_secs(30), consumer.run())
+        .await
+        .expect("the consumer stops by itself");
+    let error = outcome
+        .expect_err("a source reading another consumer's positions must not run")
+        .to_string();
+    assert!(
+        error.contains("another-service") && error.contains(CONSUMER),
+        "the error names both consumers: {error}"
+    );
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(applied, 0, "nothing was handled");
+}
