@@ -694,8 +694,17 @@ pub(crate) fn show_duration(d: Duration) -> String {
 
 /// [`IdStrategy`]'s own `FromStr`, reminding which strategy to give.
 fn parse_id_strategy(s: &str) -> Result<IdStrategy, String> {
-    s.parse::<IdStrategy>()
-        .map_err(|e| format!("{e} (as the consumer is configured)"))
+    match s.parse::<IdStrategy>() {
+        // A Kafka record has no broker message ID: every record would come out `missing_id`.
+        Ok(IdStrategy::Native) => Err(
+            "`native` is the broker's own message ID, which a Kafka record does not have: give the \
+             strategy the consumer derives IDs with (cloudevents, header:NAME, json:/POINTER, sha256, \
+             offset)"
+                .into(),
+        ),
+        Ok(strategy) => Ok(strategy),
+        Err(e) => Err(format!("{e} (as the consumer is configured)")),
+    }
 }
 
 fn parse_fingerprint(s: &str) -> Result<Fingerprint, String> {
@@ -703,5 +712,23 @@ fn parse_fingerprint(s: &str) -> Result<Fingerprint, String> {
         "bytes" => Ok(Fingerprint::PayloadBytes),
         "canonical-json" => Ok(Fingerprint::CanonicalJson),
         _ => Err(format!("`{s}` is not a fingerprint: use bytes or canonical-json")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `replay` reads Kafka records, which carry no broker message ID: `native` would turn
+    /// every record into `missing_id`, so it is refused as it was before `IdStrategy: FromStr`.
+    #[test]
+    fn replay_refuses_the_native_id_strategy_and_takes_the_others() {
+        let refused = parse_id_strategy("native").unwrap_err();
+        assert!(refused.contains("does not have"), "{refused}");
+        for ok in ["cloudevents", "sha256", "offset", "header:id", "json:/id"] {
+            assert!(parse_id_strategy(ok).is_ok(), "{ok}");
+        }
+        let unknown = parse_id_strategy("bogus").unwrap_err();
+        assert!(unknown.contains("as the consumer is configured"), "{unknown}");
     }
 }
