@@ -18,10 +18,11 @@
 //!
 //! [`TestDatabase::builder`] sets the pool size, the acquire timeout, and whether to migrate.
 //!
-//! A failing test keeps its database for inspection. The first database a test process creates
-//! first drops the scratch databases of earlier runs, and only those that are certainly unused:
-//! made by a process of this machine that is no longer running, and with nobody connected to
-//! them. Test processes that run side by side, on this machine or elsewhere, never lose theirs.
+//! A failing test keeps its database for inspection, for an hour at least. The first database a
+//! test process creates first drops the scratch databases of earlier runs, and only those that
+//! are certainly unused: made more than an hour ago by a process of this machine that is no
+//! longer running, and with nobody connected to them. Test processes that run side by side, on
+//! this machine or elsewhere, never lose theirs.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -220,10 +221,22 @@ async fn connect_server() -> sqlx::PgConnection {
 /// Starts the comment that marks a scratch database, followed by [`owner`].
 const MARK: &str = "txinbox-testing scratch database of ";
 
-/// `host:pid` of this process.
+/// `host:pid@created` (Unix seconds) of this process.
 fn owner() -> String {
-    format!("{}:{}", host(), std::process::id())
+    format!("{}:{}@{}", host(), std::process::id(), unix_seconds())
 }
+
+fn unix_seconds() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// How old a scratch database must be before a later run may drop it. Host name and pid alone
+/// cannot prove a process gone: containers that share a host name but not a pid namespace,
+/// `/proc` mounted with `hidepid`, or hosts without a readable host name would all see a
+/// running test's process as gone. Nothing runs a single test this long.
+const SWEEP_AFTER: Duration = Duration::from_secs(60 * 60);
 
 fn host() -> String {
     ["/proc/sys/kernel/hostname", "/etc/hostname"]
@@ -263,8 +276,8 @@ fn running(pid: u32) -> bool {
         .map_or(true, |s| s.success())
 }
 
-/// Drops the scratch databases of earlier runs: those made by a process of this machine that is
-/// no longer running, with nobody connected to them. `DROP DATABASE` without `FORCE` fails if
+/// Drops the scratch databases of earlier runs: those made at least [`SWEEP_AFTER`] ago by a
+/// process of this machine that is no longer running, with nobody connected to them. `DROP DATABASE` without `FORCE` fails if
 /// someone connects meanwhile, and that database stays.
 async fn sweep(server: &mut sqlx::PgConnection) {
     let marked: Vec<(String, String)> = sqlx::query_as(
@@ -278,13 +291,17 @@ async fn sweep(server: &mut sqlx::PgConnection) {
     .unwrap_or_default();
     let host = host();
     for (name, comment) in marked {
-        let Some((h, pid)) = comment[MARK.len()..].rsplit_once(':') else {
+        let Some((h, pid_at)) = comment[MARK.len()..].rsplit_once(':') else {
             continue;
         };
-        let Ok(pid) = pid.parse::<u32>() else {
+        let Some((pid, created)) = pid_at.split_once('@') else {
             continue;
         };
-        if h != host || running(pid) {
+        let (Ok(pid), Ok(created)) = (pid.parse::<u32>(), created.parse::<u64>()) else {
+            continue;
+        };
+        let old_enough = unix_seconds().saturating_sub(created) >= SWEEP_AFTER.as_secs();
+        if h != host || !old_enough || running(pid) {
             continue;
         }
         let _ = server

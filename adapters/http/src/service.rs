@@ -149,7 +149,7 @@ fn db_problem<E, DB: Backend>(e: &sqlx::Error, c: &Config<DB>) -> Answer<E> {
         Failure::LockWait => problem(
             Outcome::InFlight,
             Problem::InFlight,
-            "another request with this Idempotency-Key is still being processed; retry later with the same key",
+            "another request with this Idempotency-Key is still being processed, or the database reported a deadlock or serialization failure; retry later with the same key",
             c,
         ),
         Failure::Unavailable => {
