@@ -100,6 +100,26 @@ impl PrivateCluster {
         self.run("pg_ctl", &["-D", self.data(), "-m", "immediate", "-w", "stop"]);
     }
 
+    /// Starts a smart shutdown and returns at once (`pg_ctl stop -m smart -W`): the server
+    /// refuses new connections ("the database system is shutting down", SQLSTATE 57P03) and
+    /// stops once its last session ends. [`up`](Self::up) starts it again after that.
+    pub fn begin_shutdown(&self) {
+        self.run("pg_ctl", &["-D", self.data(), "-m", "smart", "-W", "stop"]);
+    }
+
+    /// Waits until the server has stopped (after [`begin_shutdown`](Self::begin_shutdown)).
+    pub fn wait_stopped(&self) {
+        let pid_file = self.dir.join("postmaster.pid");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while pid_file.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the private cluster did not stop"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     fn data(&self) -> &str {
         self.dir.to_str().expect("a UTF-8 temporary directory")
     }
