@@ -218,13 +218,41 @@ impl HandlerError {
     /// handler that propagates its database errors with `?` gets this for free; one that
     /// wraps them must keep them as the error's `source()`.
     pub(crate) fn is_contention(&self) -> bool {
+        self.database_cause(
+            crate::store::is_lock_conflict,
+            crate::store::StoreError::is_contention,
+        )
+    }
+
+    /// Whether the error is the database being unavailable ([`crate::store::is_unavailable`]: its
+    /// session ended, the server shutting down, the connection lost), found the same way as
+    /// [`is_contention`](Self::is_contention). An outage is not the message's fault: the runtime
+    /// pauses intake and re-runs the message without counting an attempt.
+    pub(crate) fn is_unavailable(&self) -> bool {
+        self.database_cause(
+            crate::store::is_unavailable,
+            crate::store::StoreError::is_unavailable,
+        )
+    }
+
+    /// The error's source, e.g. to keep it as the source of a [`StoreError`](crate::store::StoreError).
+    pub(crate) fn into_source(self) -> Box<dyn std::error::Error + Send + Sync> {
+        self.source
+    }
+
+    /// Applies `sqlx` or `store` to the first database error among the error and its causes.
+    fn database_cause(
+        &self,
+        sqlx: fn(&sqlx::Error) -> bool,
+        store: fn(&crate::store::StoreError) -> bool,
+    ) -> bool {
         let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*self.source);
         while let Some(e) = cause {
             if let Some(e) = e.downcast_ref::<sqlx::Error>() {
-                return crate::store::is_lock_conflict(e);
+                return sqlx(e);
             }
             if let Some(e) = e.downcast_ref::<crate::store::StoreError>() {
-                return e.is_contention();
+                return store(e);
             }
             cause = e.source();
         }

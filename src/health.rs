@@ -412,6 +412,7 @@ impl RelayHealth {
                 _ => BrokerStatus::Unknown,
             },
             since_last_round: s.last_round.lock().unwrap().map(|t| t.elapsed()),
+            round_error: s.round_error.lock().unwrap().clone(),
         }
     }
 }
@@ -431,6 +432,9 @@ pub struct RelayReport {
     pub broker: BrokerStatus,
     /// Time since the last round that reached the database.
     pub since_last_round: Option<Duration>,
+    /// Why the last round failed, when the database was reachable but the round failed anyway
+    /// (a missing table, a permission); `None` after a round that succeeded.
+    pub round_error: Option<String>,
 }
 
 impl RelayReport {
@@ -455,6 +459,9 @@ impl RelayReport {
         if !self.database_reachable {
             problems.push("outbox database unreachable".to_owned());
         }
+        if let Some(e) = &self.round_error {
+            problems.push(format!("outbox rounds fail: {e}"));
+        }
         if self.broker == BrokerStatus::Disconnected {
             problems.push("broker unavailable: publishes fail".to_owned());
         }
@@ -469,6 +476,7 @@ pub(crate) struct RelayState {
     database: AtomicBool,
     broker: AtomicU8,
     last_round: Mutex<Option<Instant>>,
+    round_error: Mutex<Option<String>>,
 }
 
 impl RelayState {
@@ -479,6 +487,7 @@ impl RelayState {
             database: AtomicBool::new(true),
             broker: AtomicU8::new(0),
             last_round: Mutex::new(None),
+            round_error: Mutex::new(None),
         }
     }
 
@@ -488,6 +497,7 @@ impl RelayState {
 
     /// A round ended: `Some((published, broker_unavailable))` if it reached the database.
     pub(crate) fn round(&self, ended: Option<(usize, bool)>) {
+        *self.round_error.lock().unwrap() = None;
         match ended {
             None => self.database.store(false, Ordering::Relaxed),
             Some((published, broker_unavailable)) => {
@@ -500,6 +510,15 @@ impl RelayState {
                 }
             }
         }
+    }
+}
+
+impl RelayState {
+    /// A round reached the database and failed for another reason (see
+    /// [`RelayReport::round_error`]).
+    pub(crate) fn round_failed(&self, error: &str) {
+        self.database.store(true, Ordering::Relaxed);
+        *self.round_error.lock().unwrap() = Some(error.to_owned());
     }
 }
 

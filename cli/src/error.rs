@@ -69,14 +69,16 @@ impl fmt::Display for CliError {
     }
 }
 
-/// A database error during an operation (after connecting).
+/// A database error during an operation (after connecting). The database being unavailable
+/// is decided by [`txinbox::store::is_unavailable`], the rule the consumer, the relay and
+/// txinbox-http share: exit 3, not 1.
 pub fn db(context: &str) -> impl FnOnce(txinbox::sqlx::Error) -> CliError + '_ {
     move |e| {
         use txinbox::sqlx::Error;
         match &e {
-            Error::Io(_) | Error::PoolTimedOut | Error::PoolClosed | Error::Tls(_) => CliError::Unreachable {
+            e if txinbox::store::is_unavailable(e) => CliError::Unreachable {
                 service: "the database".into(),
-                detail: format!("{context}: {e}"),
+                detail: format!("{context}: {e} (retry once it is back)"),
             },
             // PostgreSQL's undefined_table; SQLite has no code of its own for it.
             Error::Database(d)
@@ -88,5 +90,40 @@ pub fn db(context: &str) -> impl FnOnce(txinbox::sqlx::Error) -> CliError + '_ {
             }
             _ => CliError::failed(format!("{context}: {e}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use txinbox::sqlx::{self, Connection, Executor};
+    use txinbox_testing::database::TestDatabase;
+
+    use super::*;
+
+    /// An operation that finds the database gone (its session ended, the database refusing
+    /// connections) exits 3 "unreachable", as connecting does; the database's answer about the
+    /// operation itself (a missing table) exits 1.
+    #[tokio::test]
+    async fn an_unavailable_database_exits_3_and_a_failed_operation_1() {
+        let scratch = TestDatabase::builder("txinbox_cli_t")
+            .max_connections(1)
+            .create()
+            .await;
+        let mut held = sqlx::PgConnection::connect(scratch.url()).await.unwrap();
+        held.execute("BEGIN").await.unwrap();
+        scratch.refuse_connections().await;
+        let ended = held.execute("SELECT 1").await.expect_err("session ended");
+        assert_eq!(db("reading")(ended).exit_code(), exit::UNREACHABLE);
+        let refused = scratch.pool().acquire().await.expect_err("refused");
+        let refused = db("reading")(refused);
+        assert_eq!(refused.exit_code(), exit::UNREACHABLE, "{refused}");
+        scratch.allow_connections().await;
+
+        let missing = scratch
+            .pool()
+            .execute("SELECT * FROM no_such_table")
+            .await
+            .expect_err("missing");
+        assert_eq!(db("reading")(missing).exit_code(), exit::FAILED);
     }
 }

@@ -621,7 +621,16 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
                 Store::Postgres(pool) => txinbox::postgres::migrate(&pool).await,
                 Store::Sqlite(pool) => txinbox::sqlite::migrate(&pool).await,
             }
-            .map_err(|e| CliError::failed(format!("migrating: {e}")))?;
+            .map_err(|e| match e {
+                // The database gone mid-way is "unreachable" (exit 3), as for every command.
+                txinbox::sqlx::migrate::MigrateError::Execute(e)
+                | txinbox::sqlx::migrate::MigrateError::ExecuteMigration(e, _)
+                    if txinbox::store::is_unavailable(&e) =>
+                {
+                    error::db("migrating")(e)
+                }
+                e => CliError::failed(format!("migrating: {e}")),
+            })?;
             Ok(Report::ok(
                 serde_json::json!({ "migrated": true }),
                 "txinbox migrations applied\n".into(),

@@ -20,7 +20,7 @@
 //! `single` (one message in one transaction), `settle` (telling the broker, dead letters),
 //! `backoff` (waiting out the database), `call` (running the handler).
 
-mod backoff;
+pub(crate) mod backoff;
 mod batch;
 mod builder;
 mod call;

@@ -140,6 +140,15 @@ where
                 .expect("semaphore is never closed");
             let outcome = self.attempt(delivery, id, &entry, position).await;
             drop(permit);
+            // The database went away under the message (its session ended, the server shuts
+            // down, the connection broke, in the handler or at COMMIT): an outage like a failed
+            // BEGIN, not the message's fault. Rolled back; no attempt is counted.
+            let outcome = outcome.and_then(|attempt| match attempt {
+                Attempt::Failed { error, .. } if error.is_unavailable() => {
+                    Err(StoreError::transient(error.into_source()))
+                }
+                attempt => Ok(attempt),
+            });
             let outcome = match outcome {
                 Ok(outcome) => {
                     self.set_healthy(true);
@@ -147,7 +156,7 @@ where
                     outcome
                 }
                 Err(e) => {
-                    // BEGIN or the claim failed: nothing was written, nothing is settled.
+                    // Nothing was committed, nothing is settled.
                     store_failures += 1;
                     store_unavailable(self, e, store_failures)?;
                     if !self.sleep(store_backoff(store_failures)).await {
@@ -236,11 +245,12 @@ where
 
     /// One trip through the message transaction. `Err` only for BEGIN and the claim, before
     /// anything is written; every later failure (the handler's, or the database's at
-    /// `save_position`, `confirm` or COMMIT) is an [`Attempt::Failed`] that counts as an attempt,
+    /// `save_position`, `confirm` or COMMIT) is an [`Attempt::Failed`]. It counts as an attempt,
     /// so a message that cannot commit (a deferred constraint, a handler outliving
     /// `idle_in_transaction_session_timeout`) ends in a dead letter instead of looping or stopping
-    /// the consumer. An unknown COMMIT outcome is safe there: if it did commit, counting the
-    /// attempt finds the key terminal and the next trip finds a duplicate.
+    /// the consumer — unless it is a lock conflict or the database being unavailable, which the
+    /// caller re-runs uncounted. An unknown COMMIT outcome is safe: if it did commit, the next
+    /// trip (or counting the attempt) finds the key terminal: a duplicate.
     async fn attempt<D: Delivery>(
         &self,
         delivery: &D,

@@ -257,8 +257,8 @@ pub(super) async fn settle(
                 }
                 return Ok(());
             }
-            Err(e) if busy(&e) && tokio::time::Instant::now() + pause < until => {
-                tracing::debug!(error = %e, "marking outbox rows: the database is busy; trying again");
+            Err(e) if worth_waiting_out(&e) && tokio::time::Instant::now() + pause < until => {
+                tracing::debug!(error = %e, "marking outbox rows: the database is busy or unavailable; trying again");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(2));
             }
@@ -267,9 +267,12 @@ pub(super) async fn settle(
     }
 }
 
-/// SQLite's lock held past the busy timeout, or no connection free: worth waiting out.
-fn busy(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::PoolTimedOut) || crate::store::is_lock_conflict(e)
+/// SQLite's lock held past the busy timeout ([`is_lock_conflict`](crate::store::is_lock_conflict)),
+/// or the database unavailable ([`is_unavailable`](crate::store::is_unavailable): no connection
+/// within the acquire timeout, an I/O error, a file that cannot be opened): worth waiting out
+/// while the lease lasts, rather than publishing the round's rows again after it.
+fn worth_waiting_out(e: &sqlx::Error) -> bool {
+    crate::store::is_lock_conflict(e) || crate::store::is_unavailable(e)
 }
 
 /// Applies the marks; returns how many rows they changed.

@@ -445,6 +445,56 @@ pub fn is_lock_conflict(e: &sqlx::Error) -> bool {
     false
 }
 
+/// Whether a database error means the database is unavailable: it cannot be reached, refuses
+/// connections, or ended the session. Not the work's fault, and not to be counted against it:
+/// retry later, on a new connection, once the database is back. The one classification of an
+/// outage: the stores use it for their own statements (intake pauses), the consumer for a
+/// handler's errors (no attempt is counted), the outbox relay for its rounds (the health
+/// report says "database unreachable"), `txinbox-http` for its answer (503 with
+/// `Retry-After`) and the `txinbox` CLI for its exit code (3).
+///
+/// | | unavailable |
+/// |---|---|
+/// | any store | I/O and TLS errors, a pool timeout (no connection within the acquire timeout) or a closed pool, a crashed worker |
+/// | PostgreSQL | class `08` (connection exception); `57P01` admin shutdown (`pg_terminate_backend`, a fast shutdown), `57P02` crash of another backend, `57P03` starting up or shutting down, and the rest of `57P` (database dropped, idle session timeout: the session is gone); `53300` too many connections (`max_connections`, or the role's or the database's `CONNECTION LIMIT`); `53100` disk full; `55000` **only** when fatal, which is a refused connection (`ALLOW_CONNECTIONS false`: "database … is not currently accepting connections"), as a statement's `55000` (object not in prerequisite state) is the statement's own; a protocol error (the connection is out of step) |
+/// | SQLite | `SQLITE_IOERR`, `SQLITE_FULL` (disk full), `SQLITE_CANTOPEN` (the file cannot be opened) |
+///
+/// Not unavailable: a lost lock conflict ([`is_lock_conflict`]: `SQLITE_BUSY` and
+/// `SQLITE_LOCKED` included), a statement timeout, and everything the database answered about
+/// the statement itself (a constraint, a missing table, a permission).
+///
+/// Failing closed has a price: a handler whose own statement ends its session (it terminates
+/// its own backend, or crashes the server) is retried without limit, as an outage would be.
+pub fn is_unavailable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "postgres")]
+            if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+                let code = pg.code();
+                return code.starts_with("08")
+                    || code.starts_with("57P")
+                    || matches!(code, "53300" | "53100")
+                    || (code == "55000" && pg.severity() == sqlx::postgres::PgSeverity::Fatal);
+            }
+            #[cfg(feature = "sqlite")]
+            if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+                // Extended result codes keep the primary code in the low byte.
+                let primary = db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff);
+                return matches!(primary, Some(10 | 13 | 14));
+            }
+            let _ = db;
+            false
+        }
+        _ => false,
+    }
+}
+
 impl StoreError {
     /// The database cannot be reached or cannot serve: connection lost, server restarting, pool
     /// exhausted. The runtime pauses intake and retries with backoff.

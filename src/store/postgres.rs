@@ -542,30 +542,22 @@ impl InboxStore for PostgresInbox {
     }
 }
 
-/// Sorts sqlx errors into unavailable (pause intake, retry), contention (a lock conflict:
-/// re-run, no attempt counted), busy (retry, not an outage) and fatal (stop and report).
+/// Sorts sqlx errors into unavailable ([`is_unavailable`](super::is_unavailable): pause intake,
+/// retry), contention ([`is_lock_conflict`](super::is_lock_conflict): re-run, no attempt
+/// counted), busy (a statement timeout, a session ended for idling in a transaction: retry, not
+/// an outage) and fatal (stop and report).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
     if super::is_lock_conflict(&e) {
         return StoreError::contention(e);
     }
-    match &e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => StoreError::transient(e),
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some(code) if code.starts_with("08") // connection exceptions
-                || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
-                || code == "53300" // too_many_connections
-                => StoreError::transient(e),
-            Some(
-                "57014" // query_canceled (statement_timeout)
-                | "25P03", // idle_in_transaction_session_timeout
-            ) => StoreError::busy(e),
-            _ => StoreError::fatal(e),
-        },
+    if super::is_unavailable(&e) {
+        return StoreError::transient(e);
+    }
+    match e.as_database_error().and_then(|db| db.code()).as_deref() {
+        Some(
+            "57014" // query_canceled (statement_timeout)
+            | "25P03", // idle_in_transaction_session_timeout
+        ) => StoreError::busy(e),
         _ => StoreError::fatal(e),
     }
 }

@@ -438,22 +438,17 @@ impl InboxStore for SqliteInbox {
     }
 }
 
-/// Unavailable: I/O, pool exhaustion, `SQLITE_IOERR`, `SQLITE_FULL` (disk full: fail closed,
-/// retry once space is freed). Contention: `SQLITE_BUSY`/`SQLITE_LOCKED` (another writer held
-/// the lock past the busy timeout). Everything else (missing table, constraint) is fatal.
+/// Unavailable ([`is_unavailable`](super::is_unavailable): I/O, a pool timeout, `SQLITE_IOERR`,
+/// `SQLITE_FULL` (disk full: fail closed, retry once space is freed), `SQLITE_CANTOPEN`).
+/// Contention ([`is_lock_conflict`](super::is_lock_conflict): `SQLITE_BUSY`/`SQLITE_LOCKED`,
+/// another writer held the lock past the busy timeout). Everything else (missing table,
+/// constraint) is fatal.
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
     if super::is_lock_conflict(&e) {
         return StoreError::contention(e);
     }
-    match &e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => StoreError::transient(e),
-        sqlx::Error::Database(db) => match db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff) {
-            Some(10 | 13) => StoreError::transient(e),
-            _ => StoreError::fatal(e),
-        },
-        _ => StoreError::fatal(e),
+    if super::is_unavailable(&e) {
+        return StoreError::transient(e);
     }
+    StoreError::fatal(e)
 }

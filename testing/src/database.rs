@@ -94,6 +94,42 @@ impl TestDatabase {
         &self.url
     }
 
+    /// Makes the database refuse new connections (`ALTER DATABASE … ALLOW_CONNECTIONS false`,
+    /// SQLSTATE 55000 for whoever connects) and ends every session on it, as an operator taking
+    /// it offline would. The test's own pool is left to find that out. Undo it with
+    /// [`allow_connections`](Self::allow_connections).
+    pub async fn refuse_connections(&self) {
+        let mut server = connect_server().await;
+        server
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER DATABASE {} ALLOW_CONNECTIONS false",
+                self.name
+            )))
+            .await
+            .unwrap_or_else(|e| panic!("make {} refuse connections: {e}", self.name));
+        terminate(&mut server, &self.name).await;
+    }
+
+    /// Lets the database take connections again after
+    /// [`refuse_connections`](Self::refuse_connections).
+    pub async fn allow_connections(&self) {
+        let mut server = connect_server().await;
+        server
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER DATABASE {} ALLOW_CONNECTIONS true",
+                self.name
+            )))
+            .await
+            .unwrap_or_else(|e| panic!("let {} take connections again: {e}", self.name));
+    }
+
+    /// Ends every session on the database (`pg_terminate_backend`, SQLSTATE 57P01 for each of
+    /// them), as a failover or an operator would; new connections are still accepted. Returns
+    /// how many sessions were ended.
+    pub async fn terminate_sessions(&self) -> usize {
+        terminate(&mut connect_server().await, &self.name).await
+    }
+
     /// Closes the pool and drops the database, disconnecting anyone still connected. Call it at
     /// the end of a test that passed; a failed test's database stays for inspection.
     pub async fn drop_database(self) {
@@ -207,6 +243,19 @@ impl Builder {
             url: url_of(&server_url(), name),
         }
     }
+}
+
+/// Ends every session on database `name` but the caller's; returns how many.
+async fn terminate(server: &mut sqlx::PgConnection, name: &str) -> usize {
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(name)
+    .fetch_all(&mut *server)
+    .await
+    .unwrap_or_else(|e| panic!("end the sessions on {name}: {e}"));
+    ended.into_iter().filter(|ended| *ended).count()
 }
 
 async fn connect_server() -> sqlx::PgConnection {

@@ -2,6 +2,7 @@
 //! `MessageSource`/`Delivery` and every outbox publisher runs.**
 //!
 //! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
+//! - [`cluster`]: a private PostgreSQL server a test may stop and start (outages).
 //! - [`ledger`]: a deposit handler that is not idempotent, so a message applied twice shows.
 //! - [`conformance`]: the contracts of `txinbox::MessageSource`, `txinbox::Delivery` and
 //!   `txinbox::outbox::Publisher`, written once as tests that take the implementation under test.
@@ -13,6 +14,7 @@
 // is what the root and its public modules show (tests, tools and binaries have none).
 #![warn(unreachable_pub)]
 
+pub mod cluster;
 pub mod conformance;
 pub mod database;
 pub mod ledger;

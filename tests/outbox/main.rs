@@ -13,3 +13,4 @@ mod retention;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod support;
+mod unavailable;

@@ -21,4 +21,5 @@ mod shutdown;
 mod spans;
 mod store_health;
 mod support;
+mod unavailable;
 mod upgrade;

@@ -164,18 +164,18 @@ async fn create_payment_plain(
         ));
     };
     let id = format!("{:032x}", rand_u128());
-    let mut tx = app.pool.begin().await.map_err(internal)?;
+    let mut tx = app.pool.begin().await.map_err(db_failed)?;
     // `--bench` reference: the statements the layer adds (claim, store), as bare round trips.
     if headers.contains_key("x-bench-round-trips") {
         for _ in 0..2 {
             sqlx::query("SELECT 1")
                 .execute(&mut *tx)
                 .await
-                .map_err(internal)?;
+                .map_err(db_failed)?;
         }
     }
     let res = pay(&mut tx, &app.topic, &tenant, &id, &format!("{id}-created"), &body).await?;
-    tx.commit().await.map_err(internal)?;
+    tx.commit().await.map_err(db_failed)?;
     Ok(res)
 }
 
@@ -188,7 +188,22 @@ fn rand_u128() -> u128 {
     (a.finish() as u128) << 64 | b.finish() as u128
 }
 
-fn internal(e: sqlx::Error) -> Response {
+/// A database error of a handler. An outage (`txinbox::store::is_unavailable`: unreachable,
+/// refusing connections, the session ended) is a 503 with `Retry-After`, as the layer's own
+/// answer; anything else a 500. Either way the transaction is rolled back and the key is not
+/// used up: the client retries with the same key.
+fn db_failed(e: sqlx::Error) -> Response {
+    if txinbox::store::is_unavailable(&e) {
+        tracing::warn!(error = %e, "the database is unavailable; rolled back");
+        let mut res = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the database is unavailable; retry later with the same key",
+        );
+        res.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return res;
+    }
     tracing::error!(error = %e, "payment failed; rolled back");
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -216,7 +231,7 @@ async fn pay(
     .bind(p.amount_cents)
     .execute(&mut *conn)
     .await
-    .map_err(internal)?;
+    .map_err(db_failed)?;
     let balance: i64 = sqlx::query_scalar(
         "INSERT INTO payments.accounts AS a (tenant, account, balance_cents) VALUES ($1, $2, $3)
          ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = a.balance_cents + EXCLUDED.balance_cents
@@ -227,7 +242,7 @@ async fn pay(
     .bind(p.amount_cents)
     .fetch_one(&mut *conn)
     .await
-    .map_err(internal)?;
+    .map_err(db_failed)?;
     let message = payment_event(topic, tenant, payment_id, event_id, &p);
     txinbox::outbox::write(&mut *conn, &message)
         .await
@@ -266,14 +281,7 @@ async fn get_account(State(app): State<App>, headers: HeaderMap, Path(account): 
             .await;
     match balance {
         Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "balance query failed");
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the database is unavailable",
-            )
-        }
+        Err(e) => db_failed(e),
     }
 }
 
@@ -582,7 +590,7 @@ async fn create_payment_sqlite(
     .bind(p.amount_cents)
     .execute(&mut *tx)
     .await
-    .map_err(internal)?;
+    .map_err(db_failed)?;
     let balance: i64 = sqlx::query_scalar(
         "INSERT INTO payments_accounts (tenant, account, balance_cents) VALUES (?1, ?2, ?3)
          ON CONFLICT (tenant, account) DO UPDATE SET balance_cents = balance_cents + excluded.balance_cents
@@ -593,7 +601,7 @@ async fn create_payment_sqlite(
     .bind(p.amount_cents)
     .fetch_one(&mut *tx)
     .await
-    .map_err(internal)?;
+    .map_err(db_failed)?;
     let message = payment_event(&app.topic, &tenant, &payment_id, &event_id, &p);
     txinbox::outbox::write(&mut *tx, &message)
         .await
@@ -621,14 +629,7 @@ async fn get_account_sqlite(
             .await;
     match balance {
         Ok(b) => Json(json!({"account": account, "balance_cents": b.unwrap_or(0)})).into_response(),
-        Err(e) => {
-            tracing::warn!(error = %e, "balance query failed");
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the database is unavailable",
-            )
-        }
+        Err(e) => db_failed(e),
     }
 }
 

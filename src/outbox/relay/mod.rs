@@ -27,6 +27,7 @@ pub(super) use round::{Claimed, Settlement};
 
 use self::metrics::Metrics;
 use super::Publisher;
+use crate::consumer::backoff::store_backoff;
 use listen::{notified, read_queued, Listener};
 
 /// Publishes pending outbox rows through a [`Publisher`], marks them published, retries
@@ -62,8 +63,14 @@ use listen::{notified, read_queued, Listener};
 ///
 /// `LISTEN txinbox_outbox` (a trigger notifies on insert; delivered at commit) wakes the relay
 /// at once; every `poll_interval` it looks anyway (lost notifications, retries coming due).
-/// A database error pauses the relay for `poll_interval` and it tries again; it never gives up
-/// on its own.
+/// A database error pauses the relay and it tries again; it never gives up on its own. An
+/// unavailable database ([`store::is_unavailable`](crate::store::is_unavailable): unreachable,
+/// refusing connections, sessions ended; the rule the consumer and txinbox-http share) is
+/// waited out with a growing pause (at least `poll_interval`, growing to 5 s) and reported as
+/// "outbox database unreachable"; no attempt is counted against a row for it (a round whose
+/// marks cannot be written leaves its rows as they were, to be published again). Any other
+/// failure (a missing table, a permission) is logged as an error and reported with its cause,
+/// and the relay tries again after `poll_interval`.
 /// The listener is read also while the relay drains a backlog or pauses for a broker outage:
 /// an unread listener would hold back the server's NOTIFY queue until writers' commits fail.
 ///
@@ -212,6 +219,8 @@ impl<P: Publisher> Relay<P> {
         // While the broker looks unavailable, rounds are spaced out (doubling, up to 30 s) and
         // notifications do not shorten the pause.
         let mut outage_pause: Option<Duration> = None;
+        // Consecutive rounds that found the database unavailable: the pause grows with them.
+        let mut unavailable_rounds: u32 = 0;
         loop {
             // Waits for the database (up to the pool's acquire timeout while it is unreachable)
             // give way to shutdown; a round that has its connection finishes.
@@ -239,12 +248,17 @@ impl<P: Publisher> Relay<P> {
                     () = &mut shutdown => return Ok(()),
                     () = self.run_due_upkeep(&mut last_metrics, &mut last_purge) => {}
                 }
-                self.health.round(
-                    result
-                        .as_ref()
-                        .ok()
-                        .map(|round| (round.published, round.broker_unavailable)),
-                );
+                match &result {
+                    Ok(round) => {
+                        if unavailable_rounds > 0 {
+                            tracing::info!(relay = %self.config.name, "outbox database reachable again; rounds resume");
+                        }
+                        unavailable_rounds = 0;
+                        self.health
+                            .round(Some((round.published, round.broker_unavailable)));
+                    }
+                    Err(e) => self.round_failed(e, &mut unavailable_rounds),
+                }
                 match result {
                     Ok(round) if round.broker_unavailable => {
                         let next = outage_pause.map_or(self.config.poll_interval, |p| p * 2);
@@ -262,10 +276,7 @@ impl<P: Publisher> Relay<P> {
                         }
                         break;
                     }
-                    Err(e) => {
-                        tracing::warn!(relay = %self.config.name, error = %e, "outbox relay round failed; retrying after the poll interval");
-                        break;
-                    }
+                    Err(_) => break,
                 }
                 if futures::FutureExt::now_or_never(&mut shutdown).is_some() {
                     return Ok(());
@@ -284,12 +295,41 @@ impl<P: Publisher> Relay<P> {
                 }
                 continue;
             }
+            let pause = if unavailable_rounds > 0 {
+                store_backoff(unavailable_rounds).max(self.config.poll_interval)
+            } else {
+                self.config.poll_interval
+            };
             tokio::select! {
                 biased;
                 () = &mut shutdown => return Ok(()),
                 () = notified(&mut listener) => {}
-                () = tokio::time::sleep(self.config.poll_interval) => {}
+                () = tokio::time::sleep(pause) => {}
             }
         }
+    }
+
+    /// Logs and reports a failed round. `unavailable_rounds` counts the consecutive rounds
+    /// that found the database unavailable: the outage is logged once, when it starts.
+    fn round_failed(&self, e: &sqlx::Error, unavailable_rounds: &mut u32) {
+        let relay = &self.config.name;
+        if crate::store::is_unavailable(e) {
+            *unavailable_rounds += 1;
+            if *unavailable_rounds == 1 {
+                tracing::warn!(%relay, error = %e, "outbox database unavailable; the relay waits for it (rows stay pending, no attempt is counted)");
+            } else {
+                tracing::debug!(%relay, error = %e, "outbox database still unavailable");
+            }
+            self.health.round(None);
+            return;
+        }
+        *unavailable_rounds = 0;
+        if crate::store::is_lock_conflict(e) {
+            // The database is fine; the next round runs after the poll interval.
+            tracing::debug!(%relay, error = %e, "outbox relay round lost a lock conflict; retrying after the poll interval");
+            return;
+        }
+        tracing::error!(%relay, error = %e, "outbox relay round failed; retrying after the poll interval");
+        self.health.round_failed(&e.to_string());
     }
 }

@@ -131,33 +131,24 @@ pub(crate) async fn store(
 }
 
 /// How a PostgreSQL error answers the client. A lost lock conflict (lock wait, deadlock,
-/// serialization failure) is decided by [`txinbox::store::is_lock_conflict`], as for the inbox: the
-/// database is fine and a retry can succeed, so it is not reported as an outage.
+/// serialization failure) is decided by [`txinbox::store::is_lock_conflict`] and an outage
+/// (the database unreachable, refusing connections, shutting down, the session ended) by
+/// [`txinbox::store::is_unavailable`], as for the inbox and the relay: the first is not reported
+/// as an outage, the second answers 503 with `Retry-After`, never 500.
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
     if txinbox::store::is_lock_conflict(e) {
         return Failure::LockWait;
     }
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::Protocol(_) => Failure::Unavailable,
-        sqlx::Error::Database(db) => match db.code().as_deref() {
-            Some("25P02") => Failure::Aborted,
-            Some(code)
-                if code.starts_with("08") // connection exceptions
-                    || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
-                    || code == "53300" // too_many_connections
-                    || code == "57014" // query_canceled (statement_timeout)
-                    || code == "25P03" =>
-            // idle_in_transaction_session_timeout
-            {
-                Failure::Unavailable
-            }
-            _ => Failure::Fatal,
-        },
+    if txinbox::store::is_unavailable(e) {
+        return Failure::Unavailable;
+    }
+    match e.as_database_error().and_then(|db| db.code()).as_deref() {
+        Some("25P02") => Failure::Aborted,
+        // The database is up but could not serve this in time: retry later too (503).
+        Some(
+            "57014" // query_canceled (statement_timeout)
+            | "25P03", // idle_in_transaction_session_timeout
+        ) => Failure::Unavailable,
         _ => Failure::Fatal,
     }
 }
@@ -217,6 +208,9 @@ mod tests {
             assert_eq!(classify(&e), Failure::LockWait, "{code}");
         }
         assert_eq!(classify(&error_with(&pool, "57P01").await), Failure::Unavailable);
+        // A statement's 55000 (object not in prerequisite state) is the statement's own; only a
+        // refused connection's (fatal) is an outage.
+        assert_eq!(classify(&error_with(&pool, "55000").await), Failure::Fatal);
         assert_eq!(classify(&error_with(&pool, "25P02").await), Failure::Aborted);
         assert_eq!(classify(&error_with(&pool, "23505").await), Failure::Fatal);
     }

@@ -138,19 +138,16 @@ fn decode_headers(mut b: &[u8]) -> (Vec<String>, Vec<Vec<u8>>) {
     (names, values)
 }
 
+/// How a SQLite error answers the client: an outage ([`txinbox::store::is_unavailable`]: I/O, a
+/// file that cannot be opened, disk full, a pool timeout) and a lost lock conflict
+/// ([`txinbox::store::is_lock_conflict`]: `SQLITE_BUSY`, `SQLITE_LOCKED`) both answer 503: the
+/// lock is the whole database's (`BEGIN IMMEDIATE`), not the key's, so a 409 "this key is in
+/// flight" would not be true.
 pub(crate) fn classify(e: &sqlx::Error) -> Failure {
-    match e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => Failure::Unavailable,
-        // SQLITE_BUSY (5), SQLITE_LOCKED (6), SQLITE_IOERR (10), SQLITE_FULL (13), extended
-        // codes included.
-        sqlx::Error::Database(db) => match db.code().and_then(|c| c.parse::<i32>().ok()).map(|c| c & 0xff) {
-            Some(5 | 6 | 10 | 13) => Failure::Unavailable,
-            _ => Failure::Fatal,
-        },
-        _ => Failure::Fatal,
+    if txinbox::store::is_unavailable(e) || txinbox::store::is_lock_conflict(e) {
+        Failure::Unavailable
+    } else {
+        Failure::Fatal
     }
 }
 
