@@ -8,13 +8,15 @@ use axum::extract::FromRequestParts;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use txinbox::sqlx::{Postgres, Transaction};
+use txinbox::sqlx::Postgres;
+use txinbox::TrackedTransaction;
 
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::store::Backend;
 
-pub(crate) type Tx<DB> = Transaction<'static, DB>;
+/// The request's transaction as the handler gets it: a statement that fails on it is seen.
+pub(crate) type Tx<DB> = TrackedTransaction<DB>;
 
 /// The request's transaction, shared between the layer and the extractor.
 pub(crate) struct TxSlot<DB: Backend>(pub(crate) Arc<Mutex<Option<Tx<DB>>>>);
@@ -40,11 +42,14 @@ impl<DB: Backend> TxSlot<DB> {
 /// The database transaction in which the request's key was claimed: run the handler's effects
 /// (and any `txinbox::outbox::write`) on it. The layer stores the response in it and commits.
 ///
-/// Derefs to the connection (`PgConnection`, or `SqliteConnection` for
-/// `IdempotentTx<sqlx::Sqlite>` under an `IdempotencyLayer<sqlx::Sqlite>`):
-/// `sqlx::query(...).execute(&mut *tx)`. Do not commit or roll it
-/// back yourself (it is not yours to end: a 5xx response rolls it back), and do not keep it
-/// beyond the handler: the layer then cannot store the response and answers 500.
+/// Derefs to a [`TrackedTransaction`], an executor that derefs in turn to the connection
+/// (`PgConnection`, or `SqliteConnection` for `IdempotentTx<sqlx::Sqlite>` under an
+/// `IdempotencyLayer<sqlx::Sqlite>`): `sqlx::query(...).execute(&mut *tx)`. If a statement run
+/// on it fails, nothing commits and the layer answers 500 `response-not-stored` (the key is not
+/// used up), whatever the handler answers, on both stores (see [`TrackedTransaction`] for a
+/// failure you expect). Do not commit or roll it back yourself (it is not yours to end: a 5xx
+/// response rolls it back), and do not keep it beyond the handler: the layer then cannot store
+/// the response and answers 500.
 ///
 /// Extract it at most once per request. Rejected with a 500 problem when the route has no
 /// [`IdempotencyLayer`](crate::IdempotencyLayer) or it was extracted already.
@@ -59,19 +64,19 @@ impl<DB: Backend> std::fmt::Debug for IdempotentTx<DB> {
 }
 
 impl<DB: Backend> Deref for IdempotentTx<DB> {
-    type Target = DB::Connection;
+    type Target = TrackedTransaction<DB>;
 
-    fn deref(&self) -> &DB::Connection {
+    fn deref(&self) -> &TrackedTransaction<DB> {
         self.guard
-            .as_deref()
+            .as_ref()
             .expect("the slot holds the transaction while extracted")
     }
 }
 
 impl<DB: Backend> DerefMut for IdempotentTx<DB> {
-    fn deref_mut(&mut self) -> &mut DB::Connection {
+    fn deref_mut(&mut self) -> &mut TrackedTransaction<DB> {
         self.guard
-            .as_deref_mut()
+            .as_mut()
             .expect("the slot holds the transaction while extracted")
     }
 }

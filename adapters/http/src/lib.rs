@@ -39,6 +39,7 @@
 //! | same key, another request (method, path, query or body; another resource of the route, such as `/pay/a2` after `/pay/a1`) | nothing written | 422 `idempotency-key-reused` |
 //! | same key while the first is running | waits up to [`lock_wait`](IdempotencyLayer::lock_wait) on the key's row, then decides as above | or 409 `idempotency-key-in-flight` + `Retry-After` |
 //! | handler answers 5xx, errors or panics | rolled back: the key is not used up | the 5xx (a panic: 500 `handler-panicked`) |
+//! | a statement on [`IdempotentTx`] failed and the handler answered anyway | rolled back on both stores: the key is not used up | 500 `response-not-stored` |
 //! | same key in another scope (principal or route) | a separate record | runs again: another request |
 //! | no key, route [`required`](IdempotencyLayer::required) (default) | nothing | 400 `idempotency-key-missing` |
 //! | no key, route [`optional`](IdempotencyLayer::optional) | handler in a plain transaction, no record | the handler's response |

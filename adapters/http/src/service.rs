@@ -17,9 +17,9 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::Service;
 use tracing::Instrument;
-use txinbox::sqlx;
+use txinbox::{sqlx, StatementFailed, TrackedTransaction};
 
-use crate::extract::{IdempotencyContext, Tx, TxSlot};
+use crate::extract::{IdempotencyContext, TxSlot};
 use crate::fingerprint::{self, fingerprint};
 use crate::key::{IdempotencyKey, IDEMPOTENT_REPLAYED};
 use crate::layer::{Config, OversizedResponse};
@@ -258,7 +258,7 @@ where
     // BEGIN (with the bounded lock wait), then the claim: the decision.
     let _in_flight = telemetry::InFlight::enter(&route);
     let started = Instant::now();
-    let mut tx: Tx<DB> = match DB::begin(&c.pool, c.lock_wait).await {
+    let mut tx = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
@@ -307,7 +307,7 @@ where
     }
 
     // Claimed: the handler runs in the transaction.
-    let slot = TxSlot::new(tx);
+    let slot = TxSlot::new(TrackedTransaction::new(tx));
     parts.extensions.insert(slot.clone());
     parts.extensions.insert(IdempotencyContext {
         principal: Some(principal.clone()),
@@ -330,7 +330,7 @@ where
         Ok(Err(e)) => return (Outcome::HandlerFailed, Err(e)),
         Ok(Ok(res)) => res,
     };
-    let Some(mut tx) = tx else {
+    let Some(tx) = tx else {
         tracing::error!("the handler kept its IdempotentTx beyond its response; rolled back");
         return problem(
             Outcome::NotStored,
@@ -344,6 +344,10 @@ where
         drop(tx);
         return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
     }
+    let mut tx = match tx.into_transaction().await {
+        Ok(tx) => tx,
+        Err(e) => return statement_failed(&e, c),
+    };
 
     // The response body, bounded; never cut silently.
     let (rparts, rbody) = res.into_parts();
@@ -423,6 +427,7 @@ where
                 c,
             );
         }
+        // A failed statement run on the connection directly (not tracked), on PostgreSQL.
         Err(e) if DB::classify(&e) == Failure::Aborted => {
             drop(tx);
             tracing::error!("a statement of the handler failed and the handler went on; rolled back");
@@ -477,7 +482,7 @@ where
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
-    let slot = TxSlot::new(tx);
+    let slot = TxSlot::new(TrackedTransaction::new(tx));
     req.extensions_mut().insert(slot.clone());
     req.extensions_mut().insert(IdempotencyContext {
         principal,
@@ -510,10 +515,30 @@ where
         drop(tx);
         return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
     }
+    // NOTE: PostgreSQL would roll an aborted transaction back at COMMIT without an error, and
+    // SQLite would commit what succeeded: either way the handler's answer would be a lie.
+    let tx = match tx.into_transaction().await {
+        Ok(tx) => tx,
+        Err(e) => return statement_failed(&e, c),
+    };
     if let Err(e) = tx.commit().await {
         return commit_failed(&e, c);
     }
     (Outcome::NoKey, Ok(res.map(Body::new)))
+}
+
+/// A statement of the handler failed and the handler answered anyway: rolled back.
+fn statement_failed<E, DB: Backend>(e: &StatementFailed, c: &Config<DB>) -> Answer<E> {
+    tracing::error!(
+        error = e.error(),
+        "a statement of the handler failed and the handler went on; rolled back"
+    );
+    problem(
+        Outcome::NotStored,
+        Problem::NotStored,
+        "a database statement of the handler failed and the handler went on; nothing was committed and the Idempotency-Key can be retried",
+        c,
+    )
 }
 
 /// A failed COMMIT. An error the database answered (a deferred constraint, a serialization

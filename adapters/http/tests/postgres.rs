@@ -389,6 +389,29 @@ async fn ignored_failed_statement_commits_nothing() {
     assert_eq!((effects(&pool).await, records(&pool).await), (0, 0));
 }
 
+/// An optional route called without a key: PostgreSQL rolls the aborted transaction back at
+/// COMMIT without an error, so the handler's 201 would claim effects that are gone.
+#[tokio::test]
+async fn ignored_failed_statement_without_a_key_is_500_not_a_201_for_nothing() {
+    let pool = db(4).await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let r = Request::post("/maybe")
+        .header("x-tenant", "t1")
+        .header("content-type", "application/json")
+        .header("x-swallow", "1")
+        .body(body(9))
+        .unwrap();
+    let (s, _, b) = send(&app, r).await;
+    assert_eq!(effects(&pool).await, 0);
+    assert_eq!(
+        s,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the response claims effects that were rolled back: {}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(problem_code(&b), "response-not-stored");
+}
+
 #[tokio::test]
 async fn database_down_is_503_and_nothing_stored() {
     // Unreachable server.

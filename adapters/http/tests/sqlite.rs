@@ -58,6 +58,16 @@ async fn pay(
         .execute(&mut *tx)
         .await
         .unwrap();
+    if headers.contains_key("x-swallow") {
+        // The effect again under its own primary key: a UNIQUE violation, whose error the
+        // handler ignores. SQLite undoes this statement only; the transaction goes on.
+        let _ = sqlx::query(
+            "INSERT INTO effects SELECT * FROM effects WHERE seq = (SELECT max(seq) FROM effects)",
+        )
+        .execute(&mut *tx)
+        .await
+        .expect_err("a UNIQUE violation");
+    }
     if let Some(ms) = headers.get("x-sleep-ms") {
         tokio::time::sleep(Duration::from_millis(ms.to_str().unwrap().parse().unwrap())).await;
     }
@@ -74,7 +84,8 @@ fn app(layer: IdempotencyLayer<Sqlite>) -> Router {
     let layer = layer.principal(|p| p.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
     Router::new()
         .route("/pay", post(pay).layer(layer.clone()))
-        .route("/pay/{account}", post(pay).layer(layer))
+        .route("/pay/{account}", post(pay).layer(layer.clone()))
+        .route("/maybe", post(pay).layer(layer.optional()))
 }
 
 fn req(tenant: &str, key: &str, amount: i64) -> http::request::Builder {
@@ -266,4 +277,50 @@ async fn sqlite_a_nested_routers_prefix_is_part_of_the_request() {
         (StatusCode::CREATED, true, "paid 10".into())
     );
     assert_eq!(count(&pool, "effects").await, 1);
+}
+
+/// Issue 26, item 3: a handler that ignores a failed statement and answers 201. SQLite does
+/// not abort the transaction after a failed statement, so without a check the first
+/// statement's effect and the key would commit. As on PostgreSQL: 500 `response-not-stored`,
+/// nothing committed, and the retry runs once.
+#[tokio::test]
+async fn sqlite_ignored_failed_statement_commits_nothing() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let (s, _, b) = send(&app, "t", "ks", 9, &[("x-swallow", "1")]).await;
+    assert_eq!(
+        (
+            count(&pool, "effects").await,
+            count(&pool, "txinbox_http_idempotency").await
+        ),
+        (0, 0),
+        "the first statement's effect and the key were committed ({s}: {b})"
+    );
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(b.contains("response-not-stored"), "{b}");
+    let (s, h, _) = send(&app, "t", "ks", 9, &[]).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(!h.contains_key("idempotent-replayed"));
+    assert_eq!(count(&pool, "effects").await, 1);
+}
+
+/// The same on an optional route called without a key: the handler's plain transaction must
+/// not commit half its work either.
+#[tokio::test]
+async fn sqlite_ignored_failed_statement_without_a_key_commits_nothing() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let r = Request::post("/maybe")
+        .header("x-tenant", "t")
+        .header("x-swallow", "1")
+        .body(Body::from("9"))
+        .unwrap();
+    let res = app.clone().oneshot(r).await.unwrap();
+    let status = res.status();
+    assert_eq!(
+        count(&pool, "effects").await,
+        0,
+        "half the handler's work committed ({status})"
+    );
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
 }
