@@ -4,10 +4,10 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
-use futures::future::BoxFuture;
-use futures::stream::BoxStream;
-use futures::{FutureExt, StreamExt};
-use sqlx::{Database, Either, Execute, Executor, SqlStr, Transaction};
+use sqlx::{Database, Transaction};
+
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use executor::TrackedDatabase;
 
 /// The transaction a handler works in: the message's ([`Context::db`](crate::Context::db)) or
 /// the request's (`txinbox_http::IdempotentTx`). Run statements on it as on a connection,
@@ -89,10 +89,6 @@ impl<DB: Database> TrackedTransaction<DB> {
     }
 }
 
-fn note(failed: &mut Option<String>, e: &sqlx::Error) {
-    failed.get_or_insert_with(|| e.to_string());
-}
-
 impl<DB: Database> Deref for TrackedTransaction<DB> {
     type Target = DB::Connection;
 
@@ -115,149 +111,163 @@ impl<DB: Database> fmt::Debug for TrackedTransaction<DB> {
     }
 }
 
-/// What [`Executor::fetch_many`] yields for `DB`.
+/// The executor: only with a store feature, which settles the shape of `sqlx::Executor`.
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-type Step<DB> = Result<Either<<DB as Database>::QueryResult, <DB as Database>::Row>, sqlx::Error>;
+mod executor {
+    use futures::future::BoxFuture;
+    use futures::stream::BoxStream;
+    use futures::{FutureExt, StreamExt};
+    use sqlx::{Database, Either, Execute, Executor, SqlStr};
 
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod sealed {
-    pub trait Sealed {}
-}
+    use super::TrackedTransaction;
 
-/// A database whose [`TrackedTransaction`] is an [`sqlx::Executor`]: `sqlx::Postgres` and
-/// `sqlx::Sqlite` (with txinbox's features of the same names); sealed. Generic handler code
-/// names it as a bound (`DB: TrackedDatabase`).
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-pub trait TrackedDatabase: Database + sealed::Sealed {
-    #[doc(hidden)]
-    fn fetch_many<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
-        conn: &'e mut Self::Connection,
-        query: E,
-    ) -> BoxStream<'e, Step<Self>>;
+    /// What [`Executor::fetch_many`] yields for `DB`.
+    type Step<DB> = Result<Either<<DB as Database>::QueryResult, <DB as Database>::Row>, sqlx::Error>;
 
-    #[doc(hidden)]
-    fn fetch_optional<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
-        conn: &'e mut Self::Connection,
-        query: E,
-    ) -> BoxFuture<'e, Result<Option<Self::Row>, sqlx::Error>>;
+    mod sealed {
+        pub trait Sealed {}
+    }
 
-    #[doc(hidden)]
-    fn prepare_with<'e>(
-        conn: &'e mut Self::Connection,
-        sql: SqlStr,
-        parameters: &'e [Self::TypeInfo],
-    ) -> BoxFuture<'e, Result<Self::Statement, sqlx::Error>>;
+    /// A database whose [`TrackedTransaction`] is an [`sqlx::Executor`]: `sqlx::Postgres` and
+    /// `sqlx::Sqlite` (with txinbox's features of the same names); sealed. Generic handler code
+    /// names it as a bound (`DB: TrackedDatabase`).
+    pub trait TrackedDatabase: Database + sealed::Sealed {
+        #[doc(hidden)]
+        fn fetch_many<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
+            conn: &'e mut Self::Connection,
+            query: E,
+        ) -> BoxStream<'e, Step<Self>>;
 
-    #[doc(hidden)]
-    fn describe<'e>(
-        conn: &'e mut Self::Connection,
-        sql: SqlStr,
-    ) -> BoxFuture<'e, Result<sqlx::Describe<Self>, sqlx::Error>>;
-}
+        #[doc(hidden)]
+        fn fetch_optional<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
+            conn: &'e mut Self::Connection,
+            query: E,
+        ) -> BoxFuture<'e, Result<Option<Self::Row>, sqlx::Error>>;
 
-/// The connection's own executor, for a database named concretely: a blanket impl bounded by
-/// `&mut DB::Connection: Executor` would send the trait solver round in circles.
-macro_rules! tracked_database {
-    ($db:ty, $feature:literal) => {
-        #[cfg(feature = $feature)]
-        impl sealed::Sealed for $db {}
+        #[doc(hidden)]
+        fn prepare_with<'e>(
+            conn: &'e mut Self::Connection,
+            sql: SqlStr,
+            parameters: &'e [Self::TypeInfo],
+        ) -> BoxFuture<'e, Result<Self::Statement, sqlx::Error>>;
 
-        #[cfg(feature = $feature)]
-        impl TrackedDatabase for $db {
-            fn fetch_many<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
-                conn: &'e mut Self::Connection,
-                query: E,
-            ) -> BoxStream<'e, Step<Self>> {
-                conn.fetch_many(query)
+        #[doc(hidden)]
+        fn describe<'e>(
+            conn: &'e mut Self::Connection,
+            sql: SqlStr,
+        ) -> BoxFuture<'e, Result<sqlx::Describe<Self>, sqlx::Error>>;
+    }
+
+    /// The connection's own executor, for a database named concretely: a blanket impl bounded by
+    /// `&mut DB::Connection: Executor` would send the trait solver round in circles.
+    macro_rules! tracked_database {
+        ($db:ty, $feature:literal) => {
+            #[cfg(feature = $feature)]
+            impl sealed::Sealed for $db {}
+
+            #[cfg(feature = $feature)]
+            impl TrackedDatabase for $db {
+                fn fetch_many<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
+                    conn: &'e mut Self::Connection,
+                    query: E,
+                ) -> BoxStream<'e, Step<Self>> {
+                    conn.fetch_many(query)
+                }
+
+                fn fetch_optional<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
+                    conn: &'e mut Self::Connection,
+                    query: E,
+                ) -> BoxFuture<'e, Result<Option<Self::Row>, sqlx::Error>> {
+                    conn.fetch_optional(query)
+                }
+
+                fn prepare_with<'e>(
+                    conn: &'e mut Self::Connection,
+                    sql: SqlStr,
+                    parameters: &'e [Self::TypeInfo],
+                ) -> BoxFuture<'e, Result<Self::Statement, sqlx::Error>> {
+                    conn.prepare_with(sql, parameters)
+                }
+
+                // NOTE: `Executor::describe` exists when sqlx-core's `offline` feature is on: txinbox's
+                // `postgres` and `sqlite` features turn it on (through `sqlx/macros`).
+                fn describe<'e>(
+                    conn: &'e mut Self::Connection,
+                    sql: SqlStr,
+                ) -> BoxFuture<'e, Result<sqlx::Describe<Self>, sqlx::Error>> {
+                    conn.describe(sql)
+                }
             }
+        };
+    }
 
-            fn fetch_optional<'e, 'q: 'e, E: 'q + Execute<'q, Self>>(
-                conn: &'e mut Self::Connection,
-                query: E,
-            ) -> BoxFuture<'e, Result<Option<Self::Row>, sqlx::Error>> {
-                conn.fetch_optional(query)
-            }
+    tracked_database!(sqlx::Postgres, "postgres");
+    tracked_database!(sqlx::Sqlite, "sqlite");
 
-            fn prepare_with<'e>(
-                conn: &'e mut Self::Connection,
-                sql: SqlStr,
-                parameters: &'e [Self::TypeInfo],
-            ) -> BoxFuture<'e, Result<Self::Statement, sqlx::Error>> {
-                conn.prepare_with(sql, parameters)
-            }
+    /// Every statement goes to the connection; an error on the way back is noted.
+    impl<'c, DB: TrackedDatabase> Executor<'c> for &'c mut TrackedTransaction<DB> {
+        type Database = DB;
 
-            // NOTE: `Executor::describe` exists when sqlx-core's `offline` feature is on: txinbox's
-            // `postgres` and `sqlite` features turn it on (through `sqlx/macros`).
-            fn describe<'e>(
-                conn: &'e mut Self::Connection,
-                sql: SqlStr,
-            ) -> BoxFuture<'e, Result<sqlx::Describe<Self>, sqlx::Error>> {
-                conn.describe(sql)
-            }
+        fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Step<DB>>
+        where
+            'c: 'e,
+            E: 'q + Execute<'q, DB>,
+        {
+            let TrackedTransaction { tx, failed } = self;
+            DB::fetch_many(tx, query)
+                .inspect(move |r| {
+                    if let Err(e) = r {
+                        note(failed, e);
+                    }
+                })
+                .boxed()
         }
-    };
-}
 
-tracked_database!(sqlx::Postgres, "postgres");
-tracked_database!(sqlx::Sqlite, "sqlite");
+        fn fetch_optional<'e, 'q: 'e, E>(
+            self,
+            query: E,
+        ) -> BoxFuture<'e, Result<Option<DB::Row>, sqlx::Error>>
+        where
+            'c: 'e,
+            E: 'q + Execute<'q, DB>,
+        {
+            let TrackedTransaction { tx, failed } = self;
+            DB::fetch_optional(tx, query)
+                .inspect(move |r| {
+                    if let Err(e) = r {
+                        note(failed, e);
+                    }
+                })
+                .boxed()
+        }
 
-/// Every statement goes to the connection; an error on the way back is noted.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-impl<'c, DB: TrackedDatabase> Executor<'c> for &'c mut TrackedTransaction<DB> {
-    type Database = DB;
+        fn prepare_with<'e>(
+            self,
+            sql: SqlStr,
+            parameters: &'e [DB::TypeInfo],
+        ) -> BoxFuture<'e, Result<DB::Statement, sqlx::Error>>
+        where
+            'c: 'e,
+        {
+            let TrackedTransaction { tx, failed } = self;
+            DB::prepare_with(tx, sql, parameters)
+                .inspect(move |r| {
+                    if let Err(e) = r {
+                        note(failed, e);
+                    }
+                })
+                .boxed()
+        }
 
-    fn fetch_many<'e, 'q: 'e, E>(self, query: E) -> BoxStream<'e, Step<DB>>
-    where
-        'c: 'e,
-        E: 'q + Execute<'q, DB>,
-    {
-        let TrackedTransaction { tx, failed } = self;
-        DB::fetch_many(tx, query)
-            .inspect(move |r| {
-                if let Err(e) = r {
-                    note(failed, e);
-                }
-            })
-            .boxed()
+        fn describe<'e>(self, sql: SqlStr) -> BoxFuture<'e, Result<sqlx::Describe<DB>, sqlx::Error>>
+        where
+            'c: 'e,
+        {
+            DB::describe(&mut self.tx, sql)
+        }
     }
 
-    fn fetch_optional<'e, 'q: 'e, E>(self, query: E) -> BoxFuture<'e, Result<Option<DB::Row>, sqlx::Error>>
-    where
-        'c: 'e,
-        E: 'q + Execute<'q, DB>,
-    {
-        let TrackedTransaction { tx, failed } = self;
-        DB::fetch_optional(tx, query)
-            .inspect(move |r| {
-                if let Err(e) = r {
-                    note(failed, e);
-                }
-            })
-            .boxed()
-    }
-
-    fn prepare_with<'e>(
-        self,
-        sql: SqlStr,
-        parameters: &'e [DB::TypeInfo],
-    ) -> BoxFuture<'e, Result<DB::Statement, sqlx::Error>>
-    where
-        'c: 'e,
-    {
-        let TrackedTransaction { tx, failed } = self;
-        DB::prepare_with(tx, sql, parameters)
-            .inspect(move |r| {
-                if let Err(e) = r {
-                    note(failed, e);
-                }
-            })
-            .boxed()
-    }
-
-    fn describe<'e>(self, sql: SqlStr) -> BoxFuture<'e, Result<sqlx::Describe<DB>, sqlx::Error>>
-    where
-        'c: 'e,
-    {
-        DB::describe(&mut self.tx, sql)
+    fn note(failed: &mut Option<String>, e: &sqlx::Error) {
+        failed.get_or_insert_with(|| e.to_string());
     }
 }
