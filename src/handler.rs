@@ -7,6 +7,7 @@ use async_trait::async_trait;
 
 use crate::dead_letter::DeadLetterReason;
 use crate::message::{Message, MessageId};
+use crate::tracked::TrackedTransaction;
 
 /// Processes one new message inside the inbox transaction.
 ///
@@ -66,16 +67,18 @@ pub trait Handler<DB: sqlx::Database>: Send + Sync + 'static {
 
 /// What a handler gets besides the message: the open transaction and facts about the attempt.
 pub struct Context<'a, DB: sqlx::Database> {
-    pub(crate) conn: &'a mut DB::Connection,
+    pub(crate) conn: &'a mut TrackedTransaction<DB>,
     pub(crate) consumer: &'a str,
     pub(crate) id: &'a MessageId,
     pub(crate) attempt: u32,
 }
 
 impl<DB: sqlx::Database> Context<'_, DB> {
-    /// The connection holding the inbox transaction. Write your effects here:
-    /// `sqlx::query(..).execute(cx.db())`.
-    pub fn db(&mut self) -> &mut DB::Connection {
+    /// The inbox transaction. Write your effects here: `sqlx::query(..).execute(cx.db())`
+    /// (it derefs to the connection where a function wants one). If a statement run on it
+    /// fails, nothing of this attempt commits, whatever the handler returns: propagate the
+    /// error, or see [`TrackedTransaction`] to recover from a failure you expect.
+    pub fn db(&mut self) -> &mut TrackedTransaction<DB> {
         self.conn
     }
 
@@ -106,10 +109,7 @@ impl<DB: sqlx::Database> Context<'_, DB> {
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-impl<DB: crate::outbox::OutboxDatabase> Context<'_, DB>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
+impl<DB: crate::outbox::OutboxDatabase + crate::TrackedDatabase> Context<'_, DB> {
     /// Writes `message` into the outbox in this transaction: it is published only if the
     /// handler's effects commit. `Ok(false)`: this very message is in the outbox already and
     /// nothing was written; another message with its ID is an error that dead-letters the
@@ -362,13 +362,14 @@ pub trait BatchHandler<DB: sqlx::Database>: Send + Sync + 'static {
 
 /// What a [`BatchHandler`] gets besides the messages: the batch's open transaction.
 pub struct BatchContext<'a, DB: sqlx::Database> {
-    pub(crate) conn: &'a mut DB::Connection,
+    pub(crate) conn: &'a mut TrackedTransaction<DB>,
     pub(crate) consumer: &'a str,
 }
 
 impl<DB: sqlx::Database> BatchContext<'_, DB> {
-    /// The connection holding the batch's transaction (the inbox rows of every message in it).
-    pub fn db(&mut self) -> &mut DB::Connection {
+    /// The batch's transaction (the inbox rows of every message in it); as [`Context::db`]:
+    /// after a failed statement nothing of the batch commits, and each message runs alone.
+    pub fn db(&mut self) -> &mut TrackedTransaction<DB> {
         self.conn
     }
 
@@ -386,10 +387,7 @@ impl<DB: sqlx::Database> BatchContext<'_, DB> {
 }
 
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
-impl<DB: crate::outbox::OutboxDatabase> BatchContext<'_, DB>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
+impl<DB: crate::outbox::OutboxDatabase + crate::TrackedDatabase> BatchContext<'_, DB> {
     /// Writes `message` into the outbox in the batch's transaction; see [`Context::outbox`].
     pub async fn outbox(
         &mut self,

@@ -101,6 +101,7 @@ mod router;
 pub mod source;
 pub mod store;
 pub mod telemetry;
+mod tracked;
 
 #[cfg(feature = "memory")]
 pub mod memory;
@@ -135,6 +136,9 @@ pub use retry::RetryPolicy;
 pub use router::Router;
 pub use source::{Delivery, MessageSource};
 pub use store::InboxStore;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use tracked::TrackedDatabase;
+pub use tracked::{StatementFailed, TrackedTransaction};
 
 #[cfg(feature = "postgres")]
 pub use store::postgres::PostgresInbox;

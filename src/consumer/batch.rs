@@ -18,6 +18,7 @@ use crate::message::MessageId;
 use crate::position::Position;
 use crate::source::Delivery;
 use crate::store::{Claim, Entry, InboxStatus, InboxStore, StoreError};
+use crate::tracked::TrackedTransaction;
 
 /// The `txinbox.process` span of one delivery, for its whole life (batched or alone).
 /// With feature `otel`, a child of the producer's span when the headers carry its context.
@@ -235,6 +236,7 @@ where
             store.record_duplicates(&mut *tx, &duplicates).await?;
         }
 
+        let mut tx = TrackedTransaction::new(tx);
         if !new.is_empty() {
             if let Some(handler) = self.handler.batch() {
                 let messages: Vec<BatchMessage<'_>> = new
@@ -247,7 +249,7 @@ where
                     })
                     .collect();
                 let mut cx = BatchContext {
-                    conn: &mut *tx,
+                    conn: &mut tx,
                     consumer: &self.name,
                 };
                 // One duration sample per call: for a batch handler, the whole batch.
@@ -261,7 +263,7 @@ where
                 for &(i, attempt) in &new {
                     let item = &batch[i];
                     let mut cx = Context {
-                        conn: &mut *tx,
+                        conn: &mut tx,
                         consumer: &self.name,
                         id: entries[i].id,
                         attempt,
@@ -279,6 +281,16 @@ where
                         );
                         return Ok(Trip::Cut(i, contended));
                     }
+                    if let Some(error) = tx.failed_statement() {
+                        tracing::info!(
+                            parent: &item.span,
+                            error,
+                            size = batch.len(),
+                            "a statement of a handler failed in a batch and it went on; the batch is re-run without this message, which runs alone"
+                        );
+                        drop(tx.rollback().await);
+                        return Ok(Trip::Cut(i, false));
+                    }
                 }
             }
         }
@@ -286,9 +298,18 @@ where
             crate::crash::hit(crate::crash::BATCH_OPEN);
         }
 
-        // NOTE: as in `finish`: a handler that ignored a failed statement leaves PostgreSQL's
-        // transaction aborted, and COMMIT would roll it back without an error. Which handler did it
-        // is unknown, so every message of the batch then runs alone.
+        // A batch handler's failed statement (a handler's was seen above, with its message).
+        let mut tx = match tx.into_transaction().await {
+            Ok(tx) => tx,
+            Err(error) => {
+                tracing::info!(%error, size = batch.len(), "each message of the batch runs alone");
+                return Ok(Trip::Unknown(false));
+            }
+        };
+        // NOTE: as in `finish`: a handler that ended the transaction, or ignored a failed
+        // statement run on the connection directly, leaves PostgreSQL's transaction aborted, and
+        // COMMIT would roll it back without an error. Which handler did it is unknown, so every
+        // message of the batch then runs alone.
         let claimed: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
         match store.confirm_batch(&mut *tx, &claimed).await {
             Ok(true) => {}

@@ -25,6 +25,7 @@ use crate::message::{Fingerprint, MessageId};
 use crate::position::Position;
 use crate::source::{Delivery, RetryMode};
 use crate::store::{clean_text, Claim, Entry, InboxStatus, InboxStore, StoreError};
+use crate::tracked::TrackedTransaction;
 
 /// The result of one trip through the message transaction.
 enum Attempt {
@@ -287,8 +288,9 @@ where
         };
         crate::crash::hit(crate::crash::AFTER_CLAIM);
 
+        let mut tx = TrackedTransaction::new(tx);
         let mut cx = Context {
-            conn: &mut *tx,
+            conn: &mut tx,
             consumer: &self.name,
             id,
             attempt,
@@ -311,19 +313,24 @@ where
         Ok(Attempt::Failed { attempt, error })
     }
 
-    /// Confirms the claimed row is still in the transaction, stores the position and commits.
+    /// Checks that no statement of the handler failed and that the claimed row is still in the
+    /// transaction, stores the position and commits.
     async fn finish(
         &self,
-        mut tx: sqlx::Transaction<'static, St::Db>,
+        tx: TrackedTransaction<St::Db>,
         entry: &Entry<'_>,
         position: Option<&Position>,
     ) -> Result<(), HandlerError> {
         let store = &self.store;
         let failed =
             |stage: &'static str, error: StoreError| HandlerError::transient(Finishing { stage, error });
-        // NOTE: without this check, a handler that ignored a failed statement would make
-        // PostgreSQL roll back at COMMIT without reporting an error, and the message would be
-        // acked with nothing committed.
+        // NOTE: a handler that ignored a failed statement: SQLite would commit what succeeded
+        // before it (it does not abort the transaction).
+        let mut tx = tx.into_transaction().await.map_err(HandlerError::transient)?;
+        // NOTE: without this check, a handler that ended the transaction itself, or ignored a
+        // failed statement run on the connection directly, would make PostgreSQL roll back at
+        // COMMIT without reporting an error, and the message would be acked with nothing
+        // committed.
         match store.confirm(&mut *tx, entry).await {
             Ok(true) => {}
             Ok(false) => {

@@ -8,13 +8,15 @@ use axum::extract::FromRequestParts;
 use axum::response::{IntoResponse, Response};
 use http::request::Parts;
 use tokio::sync::{Mutex, OwnedMutexGuard};
-use txinbox::sqlx::{Postgres, Transaction};
+use txinbox::sqlx::Postgres;
+use txinbox::TrackedTransaction;
 
 use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::store::Backend;
 
-pub(crate) type Tx<DB> = Transaction<'static, DB>;
+/// The request's transaction as the handler gets it: a statement that fails on it is seen.
+pub(crate) type Tx<DB> = TrackedTransaction<DB>;
 
 /// The request's transaction, shared between the layer and the extractor.
 pub(crate) struct TxSlot<DB: Backend>(pub(crate) Arc<Mutex<Option<Tx<DB>>>>);
@@ -40,11 +42,14 @@ impl<DB: Backend> TxSlot<DB> {
 /// The database transaction in which the request's key was claimed: run the handler's effects
 /// (and any `txinbox::outbox::write`) on it. The layer stores the response in it and commits.
 ///
-/// Derefs to the connection (`PgConnection`, or `SqliteConnection` for
-/// `IdempotentTx<sqlx::Sqlite>` under an `IdempotencyLayer<sqlx::Sqlite>`):
-/// `sqlx::query(...).execute(&mut *tx)`. Do not commit or roll it
-/// back yourself (it is not yours to end: a 5xx response rolls it back), and do not keep it
-/// beyond the handler: the layer then cannot store the response and answers 500.
+/// Derefs to a [`TrackedTransaction`], an executor that derefs in turn to the connection
+/// (`PgConnection`, or `SqliteConnection` for `IdempotentTx<sqlx::Sqlite>` under an
+/// `IdempotencyLayer<sqlx::Sqlite>`): `sqlx::query(...).execute(&mut *tx)`. If a statement run
+/// on it fails, nothing commits and the layer answers 500 `response-not-stored` (the key is not
+/// used up), whatever the handler answers, on both stores (see [`TrackedTransaction`] for a
+/// failure you expect). Do not commit or roll it back yourself (it is not yours to end: a 5xx
+/// response rolls it back), and do not keep it beyond the handler: the layer then cannot store
+/// the response and answers 500.
 ///
 /// Extract it at most once per request. Rejected with a 500 problem when the route has no
 /// [`IdempotencyLayer`](crate::IdempotencyLayer) or it was extracted already.
@@ -59,19 +64,19 @@ impl<DB: Backend> std::fmt::Debug for IdempotentTx<DB> {
 }
 
 impl<DB: Backend> Deref for IdempotentTx<DB> {
-    type Target = DB::Connection;
+    type Target = TrackedTransaction<DB>;
 
-    fn deref(&self) -> &DB::Connection {
+    fn deref(&self) -> &TrackedTransaction<DB> {
         self.guard
-            .as_deref()
+            .as_ref()
             .expect("the slot holds the transaction while extracted")
     }
 }
 
 impl<DB: Backend> DerefMut for IdempotentTx<DB> {
-    fn deref_mut(&mut self) -> &mut DB::Connection {
+    fn deref_mut(&mut self) -> &mut TrackedTransaction<DB> {
         self.guard
-            .as_deref_mut()
+            .as_mut()
             .expect("the slot holds the transaction while extracted")
     }
 }
@@ -123,7 +128,8 @@ impl<S: Send + Sync, DB: Backend> FromRequestParts<S> for IdempotentTx<DB> {
 pub struct IdempotencyContext {
     pub(crate) principal: Option<String>,
     pub(crate) route: String,
-    pub(crate) key: Option<IdempotencyKey>,
+    /// The key and the request's [`fingerprint`](crate::fingerprint()); `None` without a key.
+    pub(crate) request: Option<(IdempotencyKey, [u8; 32])>,
 }
 
 impl IdempotencyContext {
@@ -132,23 +138,69 @@ impl IdempotencyContext {
         self.principal.as_deref()
     }
 
-    /// The matched route.
+    /// The matched route (the template, such as `/pay/{account}`).
     pub fn route(&self) -> &str {
         &self.route
     }
 
     /// The request's key, `None` on an optional route called without one.
     pub fn key(&self) -> Option<&IdempotencyKey> {
-        self.key.as_ref()
+        self.request.as_ref().map(|(key, _)| key)
     }
 
-    /// A stable ID for `step` of this request: the same principal, route, key and step give
-    /// the same ID on every retry (`txinbox::outbox::derive_id` with the route as scope and the
-    /// length-prefixed principal and key as parent). `None` without a key.
+    /// A stable ID for `step` of this request: the same principal, key, request and step give
+    /// the same ID on every retry. `None` without a key.
+    ///
+    /// The request is its [`fingerprint`](crate::fingerprint()) (method, route, concrete path,
+    /// query, body), so two resources of one route (`/pay/a1`, `/pay/a2`) never share an ID,
+    /// even with one key after it expired. It is `txinbox::outbox::derive_id` with the
+    /// fingerprint (hex) as scope and the length-prefixed principal and key as parent.
     pub fn derive_id(&self, step: &str) -> Option<String> {
-        let key = self.key.as_ref()?;
+        let (key, fingerprint) = self.request.as_ref()?;
         let principal = self.principal.as_deref().unwrap_or("");
         let parent = format!("{}:{principal}{}", principal.len(), key.as_str());
-        Some(txinbox::outbox::derive_id(&self.route, &parent, step))
+        let scope: String = fingerprint.iter().map(|b| format!("{b:02x}")).collect();
+        Some(txinbox::outbox::derive_id(&scope, &parent, step))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Method;
+
+    use super::*;
+    use crate::fingerprint::fingerprint;
+
+    fn cx(principal: &str, key: &str, path: &str) -> IdempotencyContext {
+        let fp = fingerprint(&Method::POST, "/pay/{account}", path, None, b"{}");
+        IdempotencyContext {
+            principal: Some(principal.into()),
+            route: "/pay/{account}".into(),
+            request: Some((IdempotencyKey::parse(key.as_bytes()).unwrap(), fp)),
+        }
+    }
+
+    #[test]
+    fn derived_ids_are_stable_and_differ_per_resource_principal_and_key() {
+        let a1 = cx("t", "k", "/pay/a1").derive_id("event");
+        assert_eq!(
+            a1,
+            cx("t", "k", "/pay/a1").derive_id("event"),
+            "stable on a retry"
+        );
+        assert_eq!(a1, cx("t", "k", "/pay/%61%31").derive_id("event"), "one resource");
+        assert_ne!(a1, cx("t", "k", "/pay/a2").derive_id("event"), "another resource");
+        assert_ne!(
+            a1,
+            cx("u", "k", "/pay/a1").derive_id("event"),
+            "another principal"
+        );
+        assert_ne!(a1, cx("t", "j", "/pay/a1").derive_id("event"), "another key");
+        assert_ne!(a1, cx("t", "k", "/pay/a1").derive_id("other"), "another step");
+        let no_key = IdempotencyContext {
+            request: None,
+            ..cx("t", "k", "/pay/a1")
+        };
+        assert_eq!(no_key.derive_id("event"), None);
     }
 }

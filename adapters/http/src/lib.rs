@@ -36,9 +36,10 @@
 //! |---|---|---|
 //! | new key, handler answers 2xx/4xx | claim, effects and response committed together | the handler's response |
 //! | same key, same request, after commit | nothing written | the stored status, stored headers and body, `Idempotent-Replayed: true` |
-//! | same key, another request (method, route, query or body) | nothing written | 422 `idempotency-key-reused` |
+//! | same key, another request (method, path, query or body; another resource of the route, such as `/pay/a2` after `/pay/a1`) | nothing written | 422 `idempotency-key-reused` |
 //! | same key while the first is running | waits up to [`lock_wait`](IdempotencyLayer::lock_wait) on the key's row, then decides as above | or 409 `idempotency-key-in-flight` + `Retry-After` |
 //! | handler answers 5xx, errors or panics | rolled back: the key is not used up | the 5xx (a panic: 500 `handler-panicked`) |
+//! | a statement on [`IdempotentTx`] failed and the handler answered anyway | rolled back on both stores: the key is not used up | 500 `response-not-stored` |
 //! | same key in another scope (principal or route) | a separate record | runs again: another request |
 //! | no key, route [`required`](IdempotencyLayer::required) (default) | nothing | 400 `idempotency-key-missing` |
 //! | no key, route [`optional`](IdempotencyLayer::optional) | handler in a plain transaction, no record | the handler's response |
@@ -59,12 +60,16 @@
 //! `Idempotency-Key: "abc"` (the IETF draft's Structured Field String) and `Idempotency-Key:
 //! abc` (bare, as Stripe clients send it) are the same key. A key is scoped by the caller's
 //! principal (from [`IdempotencyLayer::principal`], by default the [`Principal`] request
-//! extension) and the matched route: two tenants, or two routes, never see each other's
-//! responses.
+//! extension) and the matched route (the template, `/pay/{account}`): two tenants, or two
+//! routes, never see each other's responses. Within a route, the concrete path is part of the
+//! fingerprint: one key sent to `/pay/a1` and then to `/pay/a2` is 422 for the second, never a
+//! replay of the first. The scope is the template rather than the path so that two spellings
+//! of one resource meet in one record (a replay, or 422), where two records would each run.
 //!
 //! # Fingerprint
 //!
-//! See [`fingerprint()`]: SHA-256 of method, matched route, canonical query and body bytes.
+//! See [`fingerprint()`]: SHA-256 of method, matched route, normalised concrete path,
+//! canonical query and body bytes.
 //!
 //! # The transaction
 //!

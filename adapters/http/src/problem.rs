@@ -22,7 +22,7 @@ pub enum Problem {
     RequestTooLarge,
     /// 400: the request body could not be read.
     UnreadableBody,
-    /// 422: the key was used before with another request (method, route, query or body).
+    /// 422: the key was used before with another request (method, path, query or body).
     KeyReused,
     /// 409: a request with this key is still being processed.
     InFlight,

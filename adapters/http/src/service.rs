@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::MatchedPath;
+use axum::extract::{MatchedPath, OriginalUri};
 use bytes::{Bytes, BytesMut};
 use futures::{FutureExt, StreamExt};
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH};
@@ -17,10 +17,10 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower::Service;
 use tracing::Instrument;
-use txinbox::sqlx;
+use txinbox::{sqlx, StatementFailed, TrackedTransaction};
 
-use crate::extract::{IdempotencyContext, Tx, TxSlot};
-use crate::fingerprint::fingerprint;
+use crate::extract::{IdempotencyContext, TxSlot};
+use crate::fingerprint::{self, fingerprint};
 use crate::key::{IdempotencyKey, IDEMPOTENT_REPLAYED};
 use crate::layer::{Config, OversizedResponse};
 use crate::problem::Problem;
@@ -74,11 +74,19 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
+        // The concrete path as the client sent it: a nested router sees its part only.
+        let path = req
+            .extensions()
+            .get::<OriginalUri>()
+            .map_or_else(|| req.uri().path(), |u| u.path())
+            .to_owned();
+        // The scope's route: the template, so one key on two resources of a route meets the
+        // fingerprint (422), never two records that each run; outside a router, the path.
         let route = req
             .extensions()
             .get::<MatchedPath>()
             .map(|m| m.as_str().to_owned())
-            .unwrap_or_else(|| req.uri().path().to_owned());
+            .unwrap_or_else(|| fingerprint::normalize(&path).into_owned());
         let span = tracing::info_span!(
             "txinbox.http.idempotency",
             http.route = %route,
@@ -89,7 +97,7 @@ where
         continue_callers_trace(&span, req.headers());
         Box::pin(
             async move {
-                let (outcome, res) = run(&config, inner, req, route.clone()).await;
+                let (outcome, res) = run(&config, inner, req, route.clone(), path).await;
                 telemetry::record(&route, outcome);
                 res
             }
@@ -178,6 +186,7 @@ async fn run<S, ResBody, DB: Backend>(
     inner: S,
     req: Request<Body>,
     route: String,
+    path: String,
 ) -> Answer<S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -239,7 +248,7 @@ where
             )
         }
     };
-    let fp = fingerprint(&parts.method, &route, parts.uri.query(), &bytes);
+    let fp = fingerprint(&parts.method, &route, &path, parts.uri.query(), &bytes);
     let scope = Scope {
         principal: &principal,
         route: &route,
@@ -249,7 +258,7 @@ where
     // BEGIN (with the bounded lock wait), then the claim: the decision.
     let _in_flight = telemetry::InFlight::enter(&route);
     let started = Instant::now();
-    let mut tx: Tx<DB> = match DB::begin(&c.pool, c.lock_wait).await {
+    let mut tx = match DB::begin(&c.pool, c.lock_wait).await {
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
@@ -260,16 +269,30 @@ where
         Ok(Claimed::Existing(stored)) => {
             // Read only: end it now, so the connection goes back to the pool clean.
             let _ = tx.rollback().await;
-            return if stored.fingerprint[..] == fp[..] {
-                (Outcome::Replayed, Ok(replay(stored)))
-            } else {
-                problem(
+            if stored.fingerprint[..] == fp[..] {
+                return (Outcome::Replayed, Ok(replay(stored)));
+            }
+            // NOTE: a record stored before the fingerprint covered the path. It identifies the
+            // request only on a route without parameters; elsewhere it may be another
+            // resource's, and a replay would hand this request another resource's response.
+            let legacy = fingerprint::legacy_fingerprint(&parts.method, &route, parts.uri.query(), &bytes);
+            if stored.fingerprint[..] == legacy[..] {
+                if fingerprint::legacy_identifies(&route, &path) {
+                    return (Outcome::Replayed, Ok(replay(stored)));
+                }
+                return problem(
                     Outcome::KeyReused,
                     Problem::KeyReused,
-                    "this Idempotency-Key was already used with a different request (method, route, query or body); use a new key for a new request",
+                    "this Idempotency-Key was recorded, for this route, method, query and body, by an earlier version that did not record the path, so it may have been another resource's; nothing was run: check whether this request took effect before sending it with a new key",
                     c,
-                )
-            };
+                );
+            }
+            return problem(
+                Outcome::KeyReused,
+                Problem::KeyReused,
+                "this Idempotency-Key was already used with a different request (method, path, query or body); use a new key for a new request",
+                c,
+            );
         }
         Ok(Claimed::Unsettled) => {
             drop(tx);
@@ -284,12 +307,12 @@ where
     }
 
     // Claimed: the handler runs in the transaction.
-    let slot = TxSlot::new(tx);
+    let slot = TxSlot::new(TrackedTransaction::new(tx));
     parts.extensions.insert(slot.clone());
     parts.extensions.insert(IdempotencyContext {
         principal: Some(principal.clone()),
         route: route.clone(),
-        key: Some(key.clone()),
+        request: Some((key.clone(), fp)),
     });
     let req = Request::from_parts(parts, Body::from(bytes));
     let result = call(inner, req).await;
@@ -307,7 +330,7 @@ where
         Ok(Err(e)) => return (Outcome::HandlerFailed, Err(e)),
         Ok(Ok(res)) => res,
     };
-    let Some(mut tx) = tx else {
+    let Some(tx) = tx else {
         tracing::error!("the handler kept its IdempotentTx beyond its response; rolled back");
         return problem(
             Outcome::NotStored,
@@ -321,6 +344,10 @@ where
         drop(tx);
         return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
     }
+    let mut tx = match tx.into_transaction().await {
+        Ok(tx) => tx,
+        Err(e) => return statement_failed(&e, c),
+    };
 
     // The response body, bounded; never cut silently.
     let (rparts, rbody) = res.into_parts();
@@ -400,6 +427,7 @@ where
                 c,
             );
         }
+        // A failed statement run on the connection directly (not tracked), on PostgreSQL.
         Err(e) if DB::classify(&e) == Failure::Aborted => {
             drop(tx);
             tracing::error!("a statement of the handler failed and the handler went on; rolled back");
@@ -454,12 +482,12 @@ where
         Ok(tx) => tx,
         Err(e) => return db_problem(&e, c),
     };
-    let slot = TxSlot::new(tx);
+    let slot = TxSlot::new(TrackedTransaction::new(tx));
     req.extensions_mut().insert(slot.clone());
     req.extensions_mut().insert(IdempotencyContext {
         principal,
         route,
-        key: None,
+        request: None,
     });
     let result = call(inner, req).await;
     let tx = slot.take();
@@ -487,10 +515,30 @@ where
         drop(tx);
         return (Outcome::HandlerFailed, Ok(res.map(Body::new)));
     }
+    // NOTE: PostgreSQL would roll an aborted transaction back at COMMIT without an error, and
+    // SQLite would commit what succeeded: either way the handler's answer would be a lie.
+    let tx = match tx.into_transaction().await {
+        Ok(tx) => tx,
+        Err(e) => return statement_failed(&e, c),
+    };
     if let Err(e) = tx.commit().await {
         return commit_failed(&e, c);
     }
     (Outcome::NoKey, Ok(res.map(Body::new)))
+}
+
+/// A statement of the handler failed and the handler answered anyway: rolled back.
+fn statement_failed<E, DB: Backend>(e: &StatementFailed, c: &Config<DB>) -> Answer<E> {
+    tracing::error!(
+        error = e.error(),
+        "a statement of the handler failed and the handler went on; rolled back"
+    );
+    problem(
+        Outcome::NotStored,
+        Problem::NotStored,
+        "a database statement of the handler failed and the handler went on; nothing was committed and the Idempotency-Key can be retried",
+        c,
+    )
 }
 
 /// A failed COMMIT. An error the database answered (a deferred constraint, a serialization

@@ -389,6 +389,29 @@ async fn ignored_failed_statement_commits_nothing() {
     assert_eq!((effects(&pool).await, records(&pool).await), (0, 0));
 }
 
+/// An optional route called without a key: PostgreSQL rolls the aborted transaction back at
+/// COMMIT without an error, so the handler's 201 would claim effects that are gone.
+#[tokio::test]
+async fn ignored_failed_statement_without_a_key_is_500_not_a_201_for_nothing() {
+    let pool = db(4).await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let r = Request::post("/maybe")
+        .header("x-tenant", "t1")
+        .header("content-type", "application/json")
+        .header("x-swallow", "1")
+        .body(body(9))
+        .unwrap();
+    let (s, _, b) = send(&app, r).await;
+    assert_eq!(effects(&pool).await, 0);
+    assert_eq!(
+        s,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the response claims effects that were rolled back: {}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(problem_code(&b), "response-not-stored");
+}
+
 #[tokio::test]
 async fn database_down_is_503_and_nothing_stored() {
     // Unreachable server.
@@ -762,4 +785,112 @@ async fn connection_lost_during_commit_is_503_then_retry_is_one_effect() {
     let (_, h, _) = send(&app, req("t1", Some("kc"), 1).body(body(1)).unwrap()).await;
     assert_eq!(h["idempotent-replayed"], "true");
     assert_eq!(effects(&pool).await, 1);
+}
+
+/// A `POST` to `path` with tenant `t1`, key `key` and amount 10.
+fn at(path: &str, key: &str) -> Request<Body> {
+    Request::post(path)
+        .header("x-tenant", "t1")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body(10))
+        .unwrap()
+}
+
+/// Issue 26, item 1: one key on two resources of one route (`/pay/{account}`). The second is
+/// another request: 422, never the first one's response, and nothing charged. The same
+/// resource spelled with a percent-encoded unreserved character is the same request (a
+/// replay); another case is another resource (422).
+#[tokio::test]
+async fn same_key_on_another_resource_of_the_route_is_422_not_a_replay() {
+    let pool = db(4).await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let (s, h, _) = send(&app, at("/pay/a1", "k")).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(!h.contains_key("idempotent-replayed"));
+    let (s, h, b) = send(&app, at("/pay/a2", "k")).await;
+    assert_eq!(
+        (s, h.get("idempotent-replayed")),
+        (StatusCode::UNPROCESSABLE_ENTITY, None),
+        "a2 must not get a1's response: {}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(problem_code(&b), "idempotency-key-reused");
+    let (s, h, _) = send(&app, at("/pay/%61%31", "k")).await;
+    assert_eq!(s, StatusCode::CREATED, "a1 percent-encoded is a1");
+    assert_eq!(h["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, at("/pay/A1", "k")).await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(effects(&pool).await, 1, "only a1 was charged, once");
+}
+
+/// Issue 26, item 1: `IdempotencyContext::derive_id` differs for two resources of one route.
+/// The handler runs for both only when the key expired in between (a key is new again after
+/// its TTL); their outbox IDs must not collide, or the downstream inbox drops the second.
+#[tokio::test]
+async fn derived_ids_differ_for_two_resources_of_one_route() {
+    let pool = db(4).await;
+    let app = app(IdempotencyLayer::new(pool.clone()).ttl(Duration::from_millis(1)));
+    assert_eq!(send(&app, at("/pay/a1", "k")).await.0, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(send(&app, at("/pay/a2", "k")).await.0, StatusCode::CREATED);
+    let ids: Vec<String> = sqlx::query_scalar("SELECT derived_id FROM effects ORDER BY seq")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), 2);
+    assert_ne!(ids[0], ids[1], "a1 and a2 share an outbox ID");
+}
+
+/// The fingerprint of txinbox-http before it covered the path: method, route, canonical query
+/// (pairs sorted as sent), body.
+fn legacy_fingerprint(method: &str, route: &str, query: &str, body: &[u8]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut pairs: Vec<&str> = query.split('&').filter(|p| !p.is_empty()).collect();
+    pairs.sort_unstable();
+    let query = pairs.join("&");
+    let mut h = Sha256::new();
+    for part in [method.as_bytes(), route.as_bytes(), query.as_bytes(), body] {
+        h.update((part.len() as u32).to_be_bytes());
+        h.update(part);
+    }
+    h.finalize().to_vec()
+}
+
+/// Records stored before the upgrade carry the old fingerprint. On a route without
+/// parameters it still identified the request: the retry is replayed. On a route with
+/// parameters it cannot tell which resource it was for: 422, never a replay, nothing run.
+#[tokio::test]
+async fn records_stored_before_the_upgrade_are_replayed_only_where_they_identify_the_request() {
+    let pool = db(4).await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let body = b"{\"amount\":10}";
+    for route in ["/pay", "/pay/{account}"] {
+        sqlx::query(
+            "INSERT INTO txinbox.http_idempotency
+                 (principal, route, idempotency_key, fingerprint, status, header_names, header_values,
+                  body, body_size, expires_at)
+             VALUES ('t1', $1, 'old', $2, 201, '{content-type}', ARRAY['text/plain'::bytea],
+                     'stored before', 13, now() + interval '1 hour')",
+        )
+        .bind(route)
+        .bind(legacy_fingerprint("POST", route, "", body))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let (s, h, b) = send(&app, at("/pay", "old")).await;
+    assert_eq!((s, &b[..]), (StatusCode::CREATED, &b"stored before"[..]));
+    assert_eq!(h["idempotent-replayed"], "true");
+    let (s, h, b) = send(&app, at("/pay/a2", "old")).await;
+    assert_eq!(
+        (s, h.get("idempotent-replayed")),
+        (StatusCode::UNPROCESSABLE_ENTITY, None),
+        "an old record of /pay/{{account}} may be another account's: {}",
+        String::from_utf8_lossy(&b)
+    );
+    assert_eq!(problem_code(&b), "idempotency-key-reused");
+    assert_eq!(effects(&pool).await, 0);
 }

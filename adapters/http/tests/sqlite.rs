@@ -37,7 +37,7 @@ async fn db() -> (SqlitePool, std::path::PathBuf) {
         .unwrap();
     txinbox::sqlite::migrate(&pool).await.unwrap();
     pool.execute(
-        "CREATE TABLE effects (seq INTEGER PRIMARY KEY, principal TEXT NOT NULL, amount INTEGER NOT NULL)",
+        "CREATE TABLE effects (seq INTEGER PRIMARY KEY, principal TEXT NOT NULL, amount INTEGER NOT NULL, derived_id TEXT)",
     )
     .await
     .unwrap();
@@ -51,12 +51,23 @@ async fn pay(
     body: axum::body::Bytes,
 ) -> Response<Body> {
     let amount: i64 = std::str::from_utf8(&body).unwrap().parse().unwrap();
-    sqlx::query("INSERT INTO effects (principal, amount) VALUES (?1, ?2)")
+    sqlx::query("INSERT INTO effects (principal, amount, derived_id) VALUES (?1, ?2, ?3)")
         .bind(cx.principal().unwrap_or(""))
         .bind(amount)
+        .bind(cx.derive_id("effect"))
         .execute(&mut *tx)
         .await
         .unwrap();
+    if headers.contains_key("x-swallow") {
+        // The effect again under its own primary key: a UNIQUE violation, whose error the
+        // handler ignores. SQLite undoes this statement only; the transaction goes on.
+        let _ = sqlx::query(
+            "INSERT INTO effects SELECT * FROM effects WHERE seq = (SELECT max(seq) FROM effects)",
+        )
+        .execute(&mut *tx)
+        .await
+        .expect_err("a UNIQUE violation");
+    }
     if let Some(ms) = headers.get("x-sleep-ms") {
         tokio::time::sleep(Duration::from_millis(ms.to_str().unwrap().parse().unwrap())).await;
     }
@@ -71,7 +82,10 @@ async fn pay(
 
 fn app(layer: IdempotencyLayer<Sqlite>) -> Router {
     let layer = layer.principal(|p| p.headers.get("x-tenant")?.to_str().ok().map(str::to_owned));
-    Router::new().route("/pay", post(pay).layer(layer))
+    Router::new()
+        .route("/pay", post(pay).layer(layer.clone()))
+        .route("/pay/{account}", post(pay).layer(layer.clone()))
+        .route("/maybe", post(pay).layer(layer.optional()))
 }
 
 fn req(tenant: &str, key: &str, amount: i64) -> http::request::Builder {
@@ -199,4 +213,114 @@ async fn sqlite_closed_pool_is_503_and_nothing_stored() {
     assert!(h.contains_key("retry-after"));
     assert!(b.contains("store-unavailable"));
     assert_eq!(count(&pool, "effects").await, 0);
+}
+
+/// `POST path` with tenant `t`, key `key` and amount 10; the status and whether it was a replay.
+async fn post_at(app: &Router, path: &str, key: &str) -> (StatusCode, bool, String) {
+    let r = Request::post(path)
+        .header("x-tenant", "t")
+        .header("idempotency-key", key)
+        .body(Body::from("10"))
+        .unwrap();
+    let res = app.clone().oneshot(r).await.unwrap();
+    let replayed = res.headers().contains_key("idempotent-replayed");
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    (status, replayed, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Issue 26, item 1, on SQLite: one key on two resources of `/pay/{account}` is 422 for the
+/// second, never a replay of the first; the same resource percent-encoded is a replay.
+#[tokio::test]
+async fn sqlite_same_key_on_another_resource_of_the_route_is_422_not_a_replay() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    assert_eq!(post_at(&app, "/pay/a1", "k").await.0, StatusCode::CREATED);
+    let (s, replayed, b) = post_at(&app, "/pay/a2", "k").await;
+    assert_eq!((s, replayed), (StatusCode::UNPROCESSABLE_ENTITY, false), "{b}");
+    assert!(b.contains("idempotency-key-reused"));
+    assert_eq!(
+        post_at(&app, "/pay/%61%31", "k").await,
+        (StatusCode::CREATED, true, "paid 10".into())
+    );
+    assert_eq!(count(&pool, "effects").await, 1);
+}
+
+/// Issue 26, item 1, on SQLite: after the key expired, the same key on another resource runs,
+/// with other derived IDs.
+#[tokio::test]
+async fn sqlite_derived_ids_differ_for_two_resources_of_one_route() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()).ttl(Duration::from_millis(1)));
+    assert_eq!(post_at(&app, "/pay/a1", "k").await.0, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(post_at(&app, "/pay/a2", "k").await.0, StatusCode::CREATED);
+    let ids: Vec<String> = sqlx::query_scalar("SELECT derived_id FROM effects ORDER BY seq")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), 2);
+    assert_ne!(ids[0], ids[1], "a1 and a2 share an outbox ID");
+}
+
+/// The path a nested router strips is part of the request: `/t1/api/pay` and `/t2/api/pay`
+/// are two resources of the route `/{tenant}/api/pay`, though the inner router sees `/pay`.
+#[tokio::test]
+async fn sqlite_a_nested_routers_prefix_is_part_of_the_request() {
+    let (pool, _path) = db().await;
+    let app = Router::new().nest("/{tenant}/api", app(IdempotencyLayer::new(pool.clone())));
+    assert_eq!(post_at(&app, "/t1/api/pay", "k").await.0, StatusCode::CREATED);
+    let (s, replayed, b) = post_at(&app, "/t2/api/pay", "k").await;
+    assert_eq!((s, replayed), (StatusCode::UNPROCESSABLE_ENTITY, false), "{b}");
+    assert_eq!(
+        post_at(&app, "/t1/api/pay", "k").await,
+        (StatusCode::CREATED, true, "paid 10".into())
+    );
+    assert_eq!(count(&pool, "effects").await, 1);
+}
+
+/// Issue 26, item 3: a handler that ignores a failed statement and answers 201. SQLite does
+/// not abort the transaction after a failed statement, so without a check the first
+/// statement's effect and the key would commit. As on PostgreSQL: 500 `response-not-stored`,
+/// nothing committed, and the retry runs once.
+#[tokio::test]
+async fn sqlite_ignored_failed_statement_commits_nothing() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let (s, _, b) = send(&app, "t", "ks", 9, &[("x-swallow", "1")]).await;
+    assert_eq!(
+        (
+            count(&pool, "effects").await,
+            count(&pool, "txinbox_http_idempotency").await
+        ),
+        (0, 0),
+        "the first statement's effect and the key were committed ({s}: {b})"
+    );
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(b.contains("response-not-stored"), "{b}");
+    let (s, h, _) = send(&app, "t", "ks", 9, &[]).await;
+    assert_eq!(s, StatusCode::CREATED);
+    assert!(!h.contains_key("idempotent-replayed"));
+    assert_eq!(count(&pool, "effects").await, 1);
+}
+
+/// The same on an optional route called without a key: the handler's plain transaction must
+/// not commit half its work either.
+#[tokio::test]
+async fn sqlite_ignored_failed_statement_without_a_key_commits_nothing() {
+    let (pool, _path) = db().await;
+    let app = app(IdempotencyLayer::new(pool.clone()));
+    let r = Request::post("/maybe")
+        .header("x-tenant", "t")
+        .header("x-swallow", "1")
+        .body(Body::from("9"))
+        .unwrap();
+    let res = app.clone().oneshot(r).await.unwrap();
+    let status = res.status();
+    assert_eq!(
+        count(&pool, "effects").await,
+        0,
+        "half the handler's work committed ({status})"
+    );
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
 }

@@ -81,8 +81,9 @@ mod sealed {
 /// |---|---|---|
 /// | transaction | `BEGIN; SET LOCAL lock_timeout = <lock_wait>` | `BEGIN IMMEDIATE`: one writer at a time |
 /// | concurrent duplicate | blocks on the key's row up to the lock wait, then replays or 409 | waits for the write lock (the pool's `busy_timeout`), then replays; 503 after the busy timeout |
-/// | handler ignores a failed statement | the transaction is aborted: 500, nothing committed | SQLite does not abort the transaction: what succeeded commits |
-pub trait Backend: sqlx::Database + sealed::Sealed {
+/// | handler ignores a failed statement run on `IdempotentTx` | the transaction is aborted: 500, nothing committed | SQLite does not abort the transaction, but `IdempotentTx` saw the failure: 500, nothing committed |
+/// | handler ignores a failed statement run on the connection itself (reached by deref) | the transaction is aborted: 500, nothing committed | not seen: what succeeded commits |
+pub trait Backend: sqlx::Database + txinbox::TrackedDatabase + sealed::Sealed {
     #[doc(hidden)]
     fn begin(
         pool: &Pool<Self>,
