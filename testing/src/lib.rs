@@ -3,6 +3,8 @@
 //!
 //! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
 //! - [`ledger`]: a deposit handler that is not idempotent, so a message applied twice shows.
+//! - [`output`]: run a binary, capture what it prints, and search it for a secret in every
+//!   form (plain, percent-encoded, base64, pieces).
 //! - [`conformance`]: the contracts of `txinbox::MessageSource`, `txinbox::Delivery` and
 //!   `txinbox::outbox::Publisher`, written once as tests that take the implementation under test.
 //!   The in-memory broker, Kafka and RabbitMQ adapters run them; a third-party adapter runs them
@@ -16,3 +18,4 @@
 pub mod conformance;
 pub mod database;
 pub mod ledger;
+pub mod output;
