@@ -4,9 +4,10 @@
 //!
 //! The forms ([`forms`]) are the secret as typed; percent-encoded (as a URL parser or builder
 //! writes it back); base64 (as an encoded credential, at each alignment it can have inside a
-//! longer encoded text); and each long piece of it between the characters a parser splits an
-//! unencoded secret at (`/`, `?`, `#`, `&`, `@`, `:`, `,`, `;`, `=`, whitespace), since a parser
-//! that cuts a secret in two can echo one half.
+//! longer encoded text); its bytes as `Debug` prints a byte buffer (`[75, 120, 57, …]`, as
+//! lapin logs an AMQP SASL response) and as hex; and each long piece of it between the
+//! characters a parser splits an unencoded secret at (`/`, `?`, `#`, `&`, `@`, `:`, `,`, `;`,
+//! `=`, whitespace), since a parser that cuts a secret in two can echo one half.
 
 use std::io::Read as _;
 use std::path::PathBuf;
@@ -55,6 +56,14 @@ pub fn forms(secret: &str) -> Vec<Form> {
             );
         }
     }
+    let bytes = secret.as_bytes();
+    add(
+        "bytes (Debug)",
+        bytes.iter().map(u8::to_string).collect::<Vec<_>>().join(", "),
+    );
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    add("hex", hex.clone());
+    add("hex", hex.to_uppercase());
     for piece in secret.split(|c: char| SPLITS.contains(&c) || c.is_whitespace()) {
         if piece.len() >= MIN_PIECE && piece != secret {
             add("piece", piece.to_owned());
@@ -294,6 +303,10 @@ mod tests {
             "postgres://u:Kx9%2fSecret%2dTail@h",
             "invalid value 'Secret-Tail'",
             "Kx9/Secret-Tail",
+            // lapin's trace of the AMQP StartOk frame: `\0user\0password` as a Debug byte list.
+            "response: LongString([0, 103, 117, 101, 115, 116, 0, 75, 120, 57, 47, 83, 101, 99, \
+             114, 101, 116, 45, 84, 97, 105, 108])",
+            "4b78392f5365637265742d5461696c",
         ] {
             assert!(find_secret(shown, secret).is_some(), "{shown}");
         }
