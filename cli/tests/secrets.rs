@@ -114,15 +114,31 @@ const COMMANDS: &[&[&str]] = &[
     &["http", "purge", "--dry-run"],
 ];
 
-/// Runs `runs` (environment, arguments, secret) side by side, a few at a time, and returns the
-/// ones whose output shows their secret, with what was found.
-async fn leaks(runs: Vec<(Vec<(&'static str, String)>, Vec<String>, String)>) -> Vec<String> {
+/// One run of the tool: its environment, its arguments, and the secret it must not show.
+#[derive(Clone)]
+struct Attempt {
+    env: Vec<(&'static str, String)>,
+    args: Vec<String>,
+    secret: String,
+}
+
+fn attempt(env: Vec<(&'static str, String)>, args: Vec<String>, secret: &str) -> Attempt {
+    Attempt {
+        env,
+        args,
+        secret: secret.to_owned(),
+    }
+}
+
+/// Runs `runs` side by side, a few at a time, and returns the ones whose output shows their
+/// secret, with what was found.
+async fn leaks(runs: Vec<Attempt>) -> Vec<String> {
     let mut found = Vec::new();
     for batch in runs.chunks(8) {
         let handles: Vec<_> = batch
             .iter()
             .cloned()
-            .map(|(env, args, secret)| {
+            .map(|Attempt { env, args, secret }| {
                 tokio::spawn(async move {
                     let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"));
                     cmd.args(&args)
@@ -169,13 +185,13 @@ async fn no_command_shows_a_secret_from_the_database_url() {
             for json in [false, true] {
                 let mut a = if json { args(&["--json"]) } else { Vec::new() };
                 a.extend(args(command));
-                runs.push((vec![("DATABASE_URL", url.clone())], a, secret.to_owned()));
+                runs.push(attempt(vec![("DATABASE_URL", url.clone())], a, secret));
             }
         }
-        runs.push((
+        runs.push(attempt(
             Vec::new(),
             args(&["--database-url", &url, "status"]),
-            secret.to_owned(),
+            secret,
         ));
     }
     let total = runs.len();
@@ -214,7 +230,7 @@ async fn requeue_never_shows_broker_credentials() {
                 ("DATABASE_URL", db.url.clone()),
                 ("KAFKA_BROKERS", brokers.into()),
             ];
-            runs.push((env, a, secret.to_owned()));
+            runs.push(attempt(env, a, secret));
         }
     }
     let amqp_host = amqp_url()
@@ -239,7 +255,7 @@ async fn requeue_never_shows_broker_credentials() {
             let mut a = if json { args(&["--json"]) } else { Vec::new() };
             a.extend(args(&["dead-letters", "requeue", &amqp_id]));
             let env = vec![("DATABASE_URL", db.url.clone()), ("AMQP_URL", url.clone())];
-            runs.push((env, a, secret.to_owned()));
+            runs.push(attempt(env, a, secret));
         }
     }
     let found = leaks(runs).await;
@@ -268,7 +284,7 @@ async fn help_never_shows_the_environment_values() {
         &["dead-letters", "requeue", "--help"],
         &["help", "positions", "set"],
     ] {
-        runs.push((env.clone(), args(command), "Kx9-Secret-Tail".to_owned()));
+        runs.push(attempt(env.clone(), args(command), "Kx9-Secret-Tail"));
     }
     let found = leaks(runs).await;
     assert!(found.is_empty(), "--help shows a secret:\n{}", found.join("\n"));
