@@ -7,14 +7,50 @@
 /// The replacement for a secret.
 pub const MASK: &str = "***";
 
-/// `uri` with every secret replaced by [`MASK`]: the password of `scheme://user:password@host…`
-/// and the value of any query parameter whose name looks secret (`password`, `sslpassword`,
-/// `token`, …; see [`is_secret_key`]).
+/// Tracing filter directives that keep dependencies' events carrying credentials out of a
+/// program's logs, whatever `RUST_LOG` says; every example and tool of this project adds them
+/// to its filter (`EnvFilter::add_directive`), and an application should too:
 ///
-/// Passwords are often pasted into URLs unencoded, so the userinfo is taken to end at the
-/// **last** `@` before the query, whatever `/`, `?`, `#` or `@` the password holds: for
-/// `amqp://u:pa/ss@host/vhost` the result is `amqp://u:***@host/vhost`. A string that is not a
-/// URL but holds an `@` after a `:` is masked from that `:` on, to be safe.
+/// - `sqlx_postgres::options::parse=error`: while parsing a PostgreSQL URL, sqlx logs each
+///   query parameter it does not know **with its value** at WARN: `sslpassword=…`, or the rest
+///   of a password after an unencoded `&`. That module logs nothing else.
+/// - `lapin=debug`, `amq_protocol_tcp=debug`: at TRACE, lapin logs the AMQP frames it sends,
+///   the connection's `StartOk` with the SASL response (user and password) among them, and
+///   amq-protocol-tcp the URI it connects to, password included.
+///
+/// ```
+/// # fn filter(rust_log: &str) -> Vec<String> {
+/// // With tracing-subscriber: let mut filter = EnvFilter::new(rust_log);
+/// let mut directives = vec![rust_log.to_owned()];
+/// for d in txinbox::redact::LOG_DIRECTIVES {
+///     directives.push((*d).to_owned()); // filter = filter.add_directive(d.parse()?);
+/// }
+/// # directives }
+/// # assert_eq!(filter("trace").len(), 4);
+/// ```
+pub const LOG_DIRECTIVES: &[&str] = &[
+    "sqlx_postgres::options::parse=error",
+    "lapin=debug",
+    "amq_protocol_tcp=debug",
+];
+
+/// `text`, a connection string in any form, with every secret replaced by [`MASK`]:
+///
+/// - the password of a URL (`scheme://user:password@host…`) or of `user:password@host`;
+/// - the value of every `key=value` whose key names a secret ([`is_secret_key`]): URL query
+///   parameters (`?password=…`, `sslpassword`, `sslkey`), libpq `key=value` strings
+///   (`host=db password='…'`), Kafka property lists (`sasl.password=…,sasl.jaas.config=…`);
+///
+/// Passwords are often pasted unencoded, so the rules assume the worst:
+///
+/// - the userinfo ends at the **last** `@`, whatever `/`, `?`, `#`, `:` or `@` the password
+///   holds: `amqp://u:pa/ss@host/vhost` gives `amqp://u:***@host/vhost`;
+/// - a secret value runs to the next `key=` that follows a separator (whitespace, `,`, `;`,
+///   `&`, `?`), or to the end: a `#`, or a `&` or `,` without a `key=` after it, is part of it;
+///   a quoted value (`'…'`, `"…"`) runs to its closing quote;
+/// - the pairs after a secret are masked with it until a key that is a known connection
+///   parameter or a dotted (Kafka) property: `password=ab&cd=ef` may be one password cut by
+///   an unencoded `&`.
 ///
 /// ```
 /// use txinbox::redact;
@@ -26,98 +62,245 @@ pub const MASK: &str = "***";
 /// assert_eq!(redact::url("postgres://db/x?password=a&b&sslmode=require"),
 ///            "postgres://db/x?password=***&sslmode=require");
 /// assert_eq!(redact::url("postgres://db/x?password=a#b"), "postgres://db/x?password=***");
+/// assert_eq!(redact::url("host=db user=app password='a b' dbname=x"),
+///            "host=db user=app password=*** dbname=x");
+/// assert_eq!(redact::url("sasl.password=a,b,security.protocol=SASL_SSL"),
+///            "sasl.password=***,security.protocol=SASL_SSL");
 /// ```
-pub fn url(uri: &str) -> String {
-    let Some(scheme_end) = uri.find("://") else {
-        // Not a URL: `user:password@host` (a DSN without a scheme) or anything else.
-        return match (uri.find(':'), uri.rfind('@')) {
-            (Some(colon), Some(at)) if colon < at => format!("{}:{MASK}{}", &uri[..colon], &uri[at..]),
-            _ => uri.to_owned(),
-        };
+pub fn url(text: &str) -> String {
+    pairs_masked(&userinfo_masked(text))
+}
+
+/// The character that ends the user and password of `uri` early when a URL parser reads it,
+/// because the password was pasted unencoded: `/`, `?` or `#` before the userinfo's last `@`.
+/// `postgres://app:12/ab@db/x` gives `Some('/')`: a parser takes `app` for the host, `12` for
+/// the port and `ab@db/x` for the database. `None` for a URL without that mistake (or not a URL).
+///
+/// An `@` after a `=` is not counted (`?application_name=me@host` is a parameter, not a
+/// userinfo), so a password holding `=` as well is not always caught; [`url`] masks it anyway.
+///
+/// ```
+/// use txinbox::redact::unencoded_in_userinfo;
+/// assert_eq!(unencoded_in_userinfo("postgres://app:12/ab@db/x"), Some('/'));
+/// assert_eq!(unencoded_in_userinfo("amqp://u:p?w@mq/%2f"), Some('?'));
+/// assert_eq!(unencoded_in_userinfo("postgres://app:p%2Fw@db/x"), None);
+/// assert_eq!(unencoded_in_userinfo("postgres://app:p@w@db/x"), None); // the last '@' is taken
+/// assert_eq!(unencoded_in_userinfo("postgres://db/x?application_name=me@host"), None);
+/// ```
+pub fn unencoded_in_userinfo(uri: &str) -> Option<char> {
+    let rest = &uri[uri.find("://")? + 3..];
+    let authority_end = rest.find(['/', '?', '#'])?;
+    let last_at = rest.rfind('@')?;
+    (last_at > authority_end && !rest[authority_end..last_at].contains('='))
+        .then(|| rest[authority_end..].chars().next())
+        .flatten()
+}
+
+/// The password of `scheme://user:password@…` or `user:password@…` masked: from the first
+/// `:` of the userinfo to its last `@`.
+fn userinfo_masked(text: &str) -> String {
+    let (prefix, rest) = match text.find("://") {
+        Some(i) => text.split_at(i + 3),
+        None => ("", text),
     };
-    let prefix = &uri[..scheme_end + 3];
-    let rest = &uri[scheme_end + 3..];
-    // The userinfo ends at the last '@' of everything before the query; a query cannot hold
-    // the userinfo, but a password can hold '?' too, so when the last '@' is after a '?', it
-    // still wins.
-    let (authority_and_path, query) = match rest.rfind('@') {
-        Some(at) => match rest[at..].find('?') {
-            Some(q) => rest.split_at(at + q),
-            None => (rest, ""),
-        },
-        None => match rest.find('?') {
-            Some(q) => rest.split_at(q),
-            None => (rest, ""),
-        },
+    let Some(at) = rest.rfind('@') else {
+        return text.to_owned();
     };
-    let mut out = String::with_capacity(uri.len());
-    out.push_str(prefix);
-    match authority_and_path.rfind('@') {
-        Some(at) => {
-            let userinfo = &authority_and_path[..at];
-            match userinfo.find(':') {
-                Some(colon) => {
-                    out.push_str(&userinfo[..colon]);
-                    out.push(':');
-                    out.push_str(MASK);
-                }
-                None => out.push_str(userinfo),
-            }
-            out.push_str(&authority_and_path[at..]);
-        }
-        None => out.push_str(authority_and_path),
+    match rest[..at].find(':') {
+        Some(colon) => format!("{prefix}{}:{MASK}{}", &rest[..colon], &rest[at..]),
+        None => text.to_owned(),
     }
-    out.push_str(&query_without_secrets(query));
+}
+
+/// A `key=value` pair in a connection string or a property list: byte ranges into the text.
+struct Pair {
+    key: std::ops::Range<usize>,
+    value: std::ops::Range<usize>,
+}
+
+/// The pairs of `text` (see [`url`] for where a value ends).
+fn pairs(text: &str) -> Vec<Pair> {
+    let b = text.as_bytes();
+    let is_separator = |c: u8| c.is_ascii_whitespace() || matches!(c, b',' | b';' | b'&' | b'?');
+    let is_key_char =
+        |c: u8| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-' | b'%' | b'[' | b']');
+    let mut found: Vec<Pair> = Vec::new();
+    let mut i = 0;
+    let mut after_separator = true;
+    while i < b.len() {
+        if after_separator && is_key_char(b[i]) {
+            let key_end = (i..b.len()).find(|&j| !is_key_char(b[j])).unwrap_or(b.len());
+            let eq = (key_end..b.len()).find(|&j| b[j] != b' ' && b[j] != b'\t');
+            if let Some(eq) = eq.filter(|&eq| b[eq] == b'=') {
+                let value_start = (eq + 1..b.len())
+                    .find(|&j| b[j] != b' ' && b[j] != b'\t')
+                    .unwrap_or(b.len());
+                if let Some(last) = found.last_mut() {
+                    last.value.end = value_end(b, last.value.start, i);
+                }
+                found.push(Pair {
+                    key: i..key_end,
+                    value: value_start..b.len(),
+                });
+                i = value_start;
+                // A quoted value runs to its closing quote, separators and all.
+                if i < b.len() && (b[i] == b'\'' || b[i] == b'"') {
+                    let quote = b[i];
+                    i += 1;
+                    while i < b.len() && b[i] != quote {
+                        i += if b[i] == b'\\' { 2 } else { 1 };
+                    }
+                    i += 1;
+                }
+                after_separator = false;
+                continue;
+            }
+        }
+        after_separator = is_separator(b[i]);
+        i += 1;
+    }
+    found
+}
+
+/// Where a value that starts at `start` ends when the next pair starts at `next`: before the
+/// separators in between.
+fn value_end(b: &[u8], start: usize, next: usize) -> usize {
+    let mut end = next;
+    while end > start && (b[end - 1].is_ascii_whitespace() || matches!(b[end - 1], b',' | b';' | b'&' | b'?'))
+    {
+        end -= 1;
+    }
+    end
+}
+
+/// `text` with the values of secret pairs, and the unknown pairs right after them, masked.
+fn pairs_masked(text: &str) -> String {
+    let mut spans: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut in_secret = false;
+    for pair in pairs(text) {
+        let key = percent_decoded(&text[pair.key.clone()]);
+        if is_secret_key(&key) {
+            in_secret = true;
+            spans.push(pair.value.clone());
+        } else if in_secret && !is_known_parameter(&key) {
+            // Maybe the rest of the secret before it, cut at an unencoded separator.
+            if let Some(last) = spans.last_mut() {
+                last.end = pair.value.end;
+            }
+        } else {
+            in_secret = false;
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut at = 0;
+    for span in spans {
+        out.push_str(&text[at..span.start]);
+        out.push_str(MASK);
+        at = span.end;
+    }
+    out.push_str(&text[at..]);
     out
 }
 
-/// `?a=1&password=x#frag` with the values of secret-looking parameters masked.
-fn query_without_secrets(query: &str) -> String {
-    let Some(params) = query.strip_prefix('?') else {
-        return query.to_owned();
-    };
-    let (params, fragment) = match params.find('#') {
-        Some(h) => params.split_at(h),
-        None => (params, ""),
-    };
-    // An unencoded '&' or '#' in a secret's value splits it: a piece without '=' after a
-    // secret, and the fragment after one, may be the rest of it, so they are masked too.
-    let mut in_secret = false;
-    let mut any_secret = false;
-    let masked: Vec<String> = params
-        .split('&')
-        .filter_map(|pair| match pair.split_once('=') {
-            Some((key, _)) if is_secret_key(key) => {
-                (in_secret, any_secret) = (true, true);
-                Some(format!("{key}={MASK}"))
+/// Whether `key` is a connection parameter that is not a secret, so it ends the masking after
+/// a secret pair: a libpq, sqlx or AMQP URI parameter, or a dotted name (Kafka properties).
+fn is_known_parameter(key: &str) -> bool {
+    const KNOWN: &[&str] = &[
+        // libpq and sqlx (PostgreSQL)
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "options",
+        "application_name",
+        "fallback_application_name",
+        "connect_timeout",
+        "client_encoding",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "tcp_user_timeout",
+        "sslmode",
+        "ssl-mode",
+        "sslcert",
+        "ssl-cert",
+        "sslrootcert",
+        "ssl-root-cert",
+        "ssl-ca",
+        "sslcrl",
+        "sslcompression",
+        "sslnegotiation",
+        "requiressl",
+        "gssencmode",
+        "krbsrvname",
+        "service",
+        "target_session_attrs",
+        "load_balance_hosts",
+        "channel_binding",
+        "require_auth",
+        "statement-cache-capacity",
+        // AMQP URI query
+        "heartbeat",
+        "connection_timeout",
+        "channel_max",
+        "frame_max",
+        "auth_mechanism",
+        "cacertfile",
+        "certfile",
+        "verify",
+        "server_name_indication",
+        // SQLite
+        "mode",
+        "cache",
+        "immutable",
+        "vfs",
+    ];
+    let key = key.to_ascii_lowercase();
+    key.contains('.') || KNOWN.contains(&key.as_str())
+}
+
+/// `s` with `%XX` escapes decoded (invalid ones kept as they are).
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
             }
-            Some(_) => {
-                in_secret = false;
-                Some(pair.to_owned())
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
             }
-            None if in_secret => None,
-            None => Some(pair.to_owned()),
-        })
-        .collect();
-    let fragment = if any_secret && !fragment.is_empty() {
-        ""
-    } else {
-        fragment
-    };
-    format!("?{}{fragment}", masked.join("&"))
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether a configuration property or query parameter called `key` holds a secret: its name
 /// mentions a password, secret, token, credential, private key, key material (`ssl.key.*`,
-/// `*.pem`, keystores) or a JAAS / OAuth configuration. Case-insensitive.
+/// `sslkey`, `*.pem`, keystores) or a JAAS / OAuth configuration. Case-insensitive; `-`, `_`
+/// and `.` are the same.
 ///
 /// Used for librdkafka properties (`sasl.password`, `ssl.key.pem`,
-/// `sasl.oauthbearer.client.secret`, …) and URL query parameters.
+/// `sasl.oauthbearer.client.secret`, …), URL query parameters and libpq `key=value` strings
+/// (`password`, `sslpassword`, `sslkey`).
 pub fn is_secret_key(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
+    // `ssl-key`, `ssl_key` and `ssl.key` alike.
+    let key = key.to_ascii_lowercase().replace(['-', '_'], ".");
     const WORDS: &[&str] = &[
         "password",
         "passwd",
+        "pwd",
         "secret",
         "token",
         "credential",
@@ -125,10 +308,10 @@ pub fn is_secret_key(key: &str) -> bool {
         "jaas",
         "oauthbearer.config",
         "ssl.key",
+        "sslkey",
         "keystore",
         "pem",
         "apikey",
-        "api_key",
         "api.key",
     ];
     WORDS.iter().any(|w| key.contains(w))
@@ -202,6 +385,89 @@ mod tests {
         }
     }
 
+    /// Every form a connection string takes, with the secret wherever users put it: none of
+    /// it survives, in whole or in a piece, and what is not secret stays readable.
+    #[test]
+    fn every_form_of_connection_string_loses_its_secrets() {
+        let cases = [
+            // A URL parser would take `postgres` for the host and `6543` for the port.
+            (
+                "postgres://postgres:6543/Sx-Secret@127.0.0.1:5432/app",
+                "postgres://postgres:***@127.0.0.1:5432/app",
+            ),
+            (
+                "postgres://app@db/x?password=Sx&Qz=Tail&sslmode=require",
+                "postgres://app@db/x?password=***&sslmode=require",
+            ),
+            (
+                "postgres://app@db/x?sslmode=require&sslpassword=Sx-Secret&application_name=a",
+                "postgres://app@db/x?sslmode=require&sslpassword=***&application_name=a",
+            ),
+            (
+                "postgres://app@db/x?sslkey=/keys/Sx-Secret.key&sslcert=/keys/c.crt",
+                "postgres://app@db/x?sslkey=***&sslcert=/keys/c.crt",
+            ),
+            (
+                "postgres://app@db/x?pass%77ord=Sx-Secret",
+                "postgres://app@db/x?pass%77ord=***",
+            ),
+            (
+                "host=db port=5432 user=app password=Sx-Secret dbname=x",
+                "host=db port=5432 user=app password=*** dbname=x",
+            ),
+            (
+                "host=db password = 'Sx Secret dbname=y' dbname=x",
+                "host=db password = *** dbname=x",
+            ),
+            (
+                "host=db password=Sx Qz=Tail dbname=x",
+                "host=db password=*** dbname=x",
+            ),
+            (
+                "bootstrap.servers=k:9093,sasl.password=Sx,Secret,security.protocol=SASL_SSL",
+                "bootstrap.servers=k:9093,sasl.password=***,security.protocol=SASL_SSL",
+            ),
+            (
+                "sasl.password=Sx-Secret,ssl.key.password=Sx-Secret,ssl.keystore.password=Sx-Secret",
+                "sasl.password=***,ssl.key.password=***,ssl.keystore.password=***",
+            ),
+            (
+                "sasl.oauthbearer.client.secret=Sx-Secret,sasl.mechanism=OAUTHBEARER",
+                "sasl.oauthbearer.client.secret=***,sasl.mechanism=OAUTHBEARER",
+            ),
+            (
+                "sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required \
+                 username=\"u\" password=\"Sx,Secret=Tail\";,client.id=x",
+                // `username="u"` may be part of the JAAS value: masked with it.
+                "sasl.jaas.config=*** password=***;,client.id=x",
+            ),
+        ];
+        for (raw, want) in cases {
+            let shown = url(raw);
+            assert_eq!(shown, want, "{raw}");
+            for piece in ["Sx-Secret", "Secret", "Tail"] {
+                assert!(!shown.contains(piece), "{raw} -> {shown}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_unencoded_userinfo_is_recognised() {
+        for (uri, want) in [
+            ("postgres://postgres:6543/Sx@127.0.0.1:5432/app", Some('/')),
+            ("postgres://u:a#b@h/x", Some('#')),
+            ("amqp://u:a?b@h/%2f", Some('?')),
+            ("postgres://u:a%2Fb@h/x", None),
+            ("postgres://u:a@b@h/x", None),
+            ("postgres://u:a&b:c@h/x", None),
+            ("postgres://h/x?application_name=me@home", None),
+            ("postgres://h/x", None),
+            ("host=h password=a/b@c", None),
+        ] {
+            assert_eq!(unencoded_in_userinfo(uri), want, "{uri}");
+        }
+    }
+
     #[test]
     fn secret_properties_are_recognised() {
         for k in [
@@ -213,6 +479,10 @@ mod tests {
             "sasl.oauthbearer.config",
             "sasl.jaas.config",
             "SASL.PASSWORD",
+            "sslpassword",
+            "sslkey",
+            "ssl-key",
+            "api_key",
         ] {
             assert!(is_secret_key(k), "{k}");
             assert_eq!(property(k, "x"), MASK);

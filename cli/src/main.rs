@@ -421,18 +421,27 @@ impl Env {
     }
 
     async fn postgres(&self, url: &str, migrating: bool) -> Result<PgPool, CliError> {
+        // A password pasted unencoded would be read partly as the host, port or database, and
+        // echoed as such in every error: refused before anything is parsed or printed.
+        if let Some(c) = txinbox::redact::unencoded_in_userinfo(url) {
+            return Err(CliError::BadArgs(format!(
+                "--database-url / DATABASE_URL: the user or password holds an unencoded `{c}`, which ends them early in a URL (the rest would be taken for the host, port or database); percent-encode it: `/` as %2F, `?` as %3F, `#` as %23, `@` as %40"
+            )));
+        }
         let options: PgConnectOptions = url.parse().map_err(|_| {
-            CliError::BadArgs(
-                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database or sqlite:path"
-                    .into(),
-            )
+            CliError::BadArgs(if !url.contains("://") && url.contains('=') {
+                "--database-url / DATABASE_URL looks like a libpq key=value string, which is not supported; write it as a URL: postgres://user:password@host:port/database (percent-encode `/`, `?`, `#`, `@` in the password)".to_owned()
+            } else {
+                "--database-url / DATABASE_URL does not parse; expected postgres://user@host:port/database or sqlite:path (percent-encode `/`, `?`, `#`, `@` in the password)".into()
+            })
         })?;
-        let service = format!(
+        // Through the one redaction, should anything of a secret have got this far.
+        let service = txinbox::redact::url(&format!(
             "PostgreSQL at {}:{}/{}",
             options.get_host(),
             options.get_port(),
             options.get_database().unwrap_or("")
-        );
+        ));
         // One direct connection first: its error names the cause (refused, unknown host, bad
         // password), where a pool would only report a timeout.
         let probe = tokio::time::timeout(Duration::from_secs(5), options.connect()).await;
@@ -533,9 +542,10 @@ impl Store {
 /// Opens the SQLite database file of `url` (`sqlite:path`, `sqlite://path`; created only when
 /// `migrating`) with the store's settings, and checks its txinbox tables unless `migrating`.
 async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
-    let options: SqliteConnectOptions = url.parse().map_err(|e| {
+    let options: SqliteConnectOptions = url.parse().map_err(|e: txinbox::sqlx::Error| {
         CliError::BadArgs(format!(
-            "--database-url / DATABASE_URL does not parse as a SQLite URL ({e}); expected sqlite:path or sqlite://path"
+            "--database-url / DATABASE_URL does not parse as a SQLite URL ({}); expected sqlite:path or sqlite://path",
+            txinbox::redact::url(&e.to_string())
         ))
     })?;
     let service = format!("SQLite database {}", options.get_filename().display());

@@ -38,7 +38,6 @@
 
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
-use tracing_subscriber::EnvFilter;
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
 use txinbox_demos::flags;
@@ -50,36 +49,52 @@ use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
 #[command(name = "ledger")]
 struct Args {
     /// Where the payment events come from.
-    #[arg(long, value_enum, env = "LEDGER_SOURCE")]
+    #[arg(long, value_enum, env = "LEDGER_SOURCE", hide_env_values = true)]
     source: Source,
     #[command(flatten)]
     kafka: flags::Kafka,
     /// Kafka: the topic of payment events. Dead letters go to `<topic>.dlq`.
-    #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
+    #[arg(long, env = "KAFKA_TOPIC", hide_env_values = true, default_value = "payments")]
     topic: String,
     /// Kafka: the consumer group.
-    #[arg(long, env = "KAFKA_GROUP", default_value = "ledger")]
+    #[arg(long, env = "KAFKA_GROUP", hide_env_values = true, default_value = "ledger")]
     group: String,
-    /// Kafka: extra librdkafka consumer properties, KEY=VALUE (repeatable; comma-separated in
-    /// the environment variable), e.g. `session.timeout.ms=6000`.
-    #[arg(long = "kafka-property", env = "LEDGER_KAFKA_PROPERTIES", value_delimiter = ',', value_parser = key_value)]
-    kafka_properties: Vec<(String, String)>,
+    /// Kafka: extra librdkafka consumer properties, KEY=VALUE (repeatable), e.g.
+    /// `session.timeout.ms=6000`. Several in one value are separated by `,` where a property
+    /// name and `=` follow it; any other `,` is part of the value (`sasl.password=a,b`).
+    #[arg(
+        long = "kafka-property",
+        env = "LEDGER_KAFKA_PROPERTIES",
+        hide_env_values = true,
+        value_parser = flags::KafkaPropertiesParser
+    )]
+    kafka_properties: Vec<flags::KafkaProperties>,
     /// Kafka: where a partition starts when the group has a committed offset but the database
     /// has no position for it (a restored or fresh database): `refuse` holds the partition and
     /// says how to release it, `earliest` re-applies everything retained (the inbox drops what
     /// was applied), `adopt` counts everything before the group's offset as done.
-    #[arg(long, env = "LEDGER_ON_MISSING_POSITION", default_value = "refuse")]
+    #[arg(
+        long,
+        env = "LEDGER_ON_MISSING_POSITION",
+        hide_env_values = true,
+        default_value = "refuse"
+    )]
     on_missing_position: MissingPosition,
     #[command(flatten)]
     amqp: flags::Amqp,
     /// AMQP: the queue of payment events (declared if missing, with `<queue>.retry` and
     /// `<queue>.dlq`).
-    #[arg(long, env = "AMQP_QUEUE", default_value = "payments")]
+    #[arg(long, env = "AMQP_QUEUE", hide_env_values = true, default_value = "payments")]
     queue: String,
     #[command(flatten)]
     postgres: flags::Postgres,
     /// The txinbox consumer name: half of every inbox key; instances of one service share it.
-    #[arg(long, env = "LEDGER_CONSUMER", default_value = "ledger")]
+    #[arg(
+        long,
+        env = "LEDGER_CONSUMER",
+        hide_env_values = true,
+        default_value = "ledger"
+    )]
     consumer_name: String,
 }
 
@@ -89,20 +104,10 @@ enum Source {
     Amqp,
 }
 
-fn key_value(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
-        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
-    }
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+    let args: Args = txinbox_demos::parse_args();
+    txinbox_demos::init_logs("info");
     // Listen before anything else, so a SIGTERM during startup also stops gracefully.
     let shutdown = shutdown_signal()?;
 
@@ -121,7 +126,7 @@ async fn main() -> anyhow::Result<()> {
             let mut config = KafkaConfig::new(&args.kafka.brokers, &args.group)
                 .topic(&args.topic)
                 .on_missing_position(args.on_missing_position);
-            for (key, value) in &args.kafka_properties {
+            for (key, value) in args.kafka_properties.iter().flat_map(|p| &p.0) {
                 config = config.set(key, value);
             }
             let source = KafkaSource::new(config)?;

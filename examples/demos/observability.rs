@@ -32,7 +32,6 @@ use axum::{Json, Router};
 use clap::Parser;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::{json, Value};
-use tracing_subscriber::EnvFilter;
 use txinbox::health::{Health, HealthReport};
 use txinbox::{Consumer, PostgresInbox};
 use txinbox_demos::flags;
@@ -44,20 +43,30 @@ use txinbox_kafka::{KafkaConfig, KafkaSource};
 #[command(name = "observability")]
 struct Args {
     /// Where the HTTP server listens.
-    #[arg(long, env = "LISTEN", default_value = "127.0.0.1:9898")]
+    #[arg(
+        long,
+        env = "LISTEN",
+        hide_env_values = true,
+        default_value = "127.0.0.1:9898"
+    )]
     listen: String,
     #[command(flatten)]
     kafka: flags::Kafka,
     /// The topic of payment events.
-    #[arg(long, env = "KAFKA_TOPIC", default_value = "payments")]
+    #[arg(long, env = "KAFKA_TOPIC", hide_env_values = true, default_value = "payments")]
     topic: String,
     /// The consumer group.
-    #[arg(long, env = "KAFKA_GROUP", default_value = "ledger")]
+    #[arg(long, env = "KAFKA_GROUP", hide_env_values = true, default_value = "ledger")]
     group: String,
     #[command(flatten)]
     postgres: flags::Postgres,
     /// The txinbox consumer name.
-    #[arg(long, env = "LEDGER_CONSUMER", default_value = "ledger")]
+    #[arg(
+        long,
+        env = "LEDGER_CONSUMER",
+        hide_env_values = true,
+        default_value = "ledger"
+    )]
     consumer_name: String,
     /// A partition with messages waiting and no progress for this many seconds makes
     /// `/readyz` fail.
@@ -73,11 +82,8 @@ struct Endpoints {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+    let args: Args = txinbox_demos::parse_args();
+    txinbox_demos::init_logs("info");
     // Before the consumer is built: it resolves its metric handles then.
     let prometheus = PrometheusBuilder::new()
         .install_recorder()

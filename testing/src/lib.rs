@@ -4,6 +4,8 @@
 //! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
 //! - [`cluster`]: a private PostgreSQL server a test may stop and start (outages).
 //! - [`ledger`]: a deposit handler that is not idempotent, so a message applied twice shows.
+//! - [`output`]: run a binary, capture what it prints, and search it for a secret in every
+//!   form (plain, percent-encoded, base64, pieces).
 //! - [`conformance`]: the contracts of `txinbox::MessageSource`, `txinbox::Delivery` and
 //!   `txinbox::outbox::Publisher`, written once as tests that take the implementation under test.
 //!   The in-memory broker, Kafka and RabbitMQ adapters run them; a third-party adapter runs them
@@ -18,3 +20,4 @@ pub mod cluster;
 pub mod conformance;
 pub mod database;
 pub mod ledger;
+pub mod output;

@@ -15,6 +15,10 @@
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
 //! RUST_LOG=info cargo run -p txinbox-amqp --example amqp_consumer
 //! ```
+//!
+//! The directives of `txinbox::redact::LOG_DIRECTIVES` are added to `RUST_LOG` whatever it
+//! says (lapin logs the frame carrying the password at trace). `--help` lists the flags and
+//! does nothing else.
 
 use std::time::Duration;
 
@@ -24,6 +28,31 @@ use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, Postgres};
 use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
+
+/// Publishes a few demo deposits to RabbitMQ and applies them effectively once, until Ctrl-C.
+///
+/// Declares the queue `txinbox.example.deposits` (and its retry and dead-letter queues) and
+/// creates the table `example_accounts` in the database given, if missing.
+#[derive(Debug, clap::Parser)]
+#[command(name = "amqp_consumer")]
+struct Args {
+    /// The RabbitMQ URI. Its value is never printed.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// The PostgreSQL database of the inbox and the balances. Its value is never printed.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database_url: String,
+}
 
 const QUEUE: &str = "txinbox.example.deposits";
 
@@ -55,15 +84,26 @@ impl Handler<Postgres> for Deposits {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
-    let amqp_url =
-        std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    // Before anything else: `--help` and a bad flag touch nothing. clap echoes a misspelt
+    // flag with its value (`--amqp-ur=amqp://app:pw@mq`): its errors go through the one
+    // redaction.
+    let Args {
+        amqp_url,
+        database_url,
+    } = <Args as clap::Parser>::try_parse().unwrap_or_else(|e| {
+        let text = e.render().to_string();
+        if e.use_stderr() {
+            eprint!("{}", txinbox::redact::url(&text));
+        } else {
+            print!("{text}");
+        }
+        std::process::exit(e.exit_code());
+    });
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    for directive in txinbox::redact::LOG_DIRECTIVES {
+        filter = filter.add_directive(directive.parse()?);
+    }
+    tracing_subscriber::fmt().with_env_filter(filter).init();
 
     let pool = PgPoolOptions::new()
         .max_connections(10)

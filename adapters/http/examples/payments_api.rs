@@ -39,7 +39,9 @@
 //!     -H 'Content-Type: application/json' -d '{"account":"a1","amount_cents":500}'
 //! ```
 //!
-//! `RUST_LOG` (default `info`) controls the logs, written to stderr.
+//! `RUST_LOG` (default `info`) controls the logs, written to stderr; the directives of
+//! `txinbox::redact::LOG_DIRECTIVES` are added whatever it says, so no dependency logs a
+//! credential.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -65,8 +67,9 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used.
-    #[arg(long, env = "DATABASE_URL")]
+    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used. Its
+    /// value is never printed.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// The embedded store's file (when no database URL is given).
     #[arg(long, default_value = "payments_api.db")]
@@ -693,11 +696,27 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // clap echoes a misspelt flag with its value (`--databse-url=postgres://app:pw@db`):
+    // its errors go through the one redaction.
+    let args = Args::try_parse().unwrap_or_else(|e| {
+        let text = e.render().to_string();
+        if e.use_stderr() {
+            eprint!("{}", txinbox::redact::url(&text));
+        } else {
+            print!("{text}");
+        }
+        std::process::exit(e.exit_code());
+    });
+    // RUST_LOG, plus the directives that keep dependencies' events carrying credentials out
+    // whatever it says (sqlx's unrecognized URL parameters, lapin's frames at trace).
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    for directive in txinbox::redact::LOG_DIRECTIVES {
+        filter = filter.add_directive(directive.parse()?);
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
     let Some(url) = args.database_url.clone() else {
         if args.bench {
             eprintln!("--bench needs PostgreSQL: pass --database-url or set DATABASE_URL");

@@ -20,7 +20,9 @@
 //! cargo run -p txinbox-kafka --example kafka_consumer
 //! ```
 //!
-//! `RUST_LOG` (default `warn,txinbox_kafka=info`) controls the logs, written to stderr.
+//! `RUST_LOG` (default `warn,txinbox_kafka=info`) controls the logs, written to stderr; the
+//! directives of `txinbox::redact::LOG_DIRECTIVES` are added whatever it says, so no dependency
+//! logs a credential. `--help` lists the flags and does nothing else.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -34,6 +36,31 @@ use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use txinbox::sqlx::{self, ConnectOptions as _, Executor as _, Postgres};
 use txinbox::{Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
+
+/// Publishes demo deposits to a fresh topic and applies them effectively once.
+///
+/// Drops and recreates the database `txinbox_kafka_example` on the PostgreSQL server given.
+#[derive(Debug, clap::Parser)]
+#[command(name = "kafka_consumer")]
+struct Args {
+    /// Kafka bootstrap brokers, comma-separated host:port. Its value is never printed.
+    #[arg(
+        long,
+        env = "KAFKA_BROKERS",
+        hide_env_values = true,
+        default_value = "127.0.0.1:9092"
+    )]
+    brokers: String,
+    /// The PostgreSQL server (its database `txinbox_kafka_example` is recreated). Its value is
+    /// never printed.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database_url: String,
+}
 
 const CONSUMER: &str = "kafka-example";
 const EVENTS: usize = 500;
@@ -65,15 +92,29 @@ impl Handler<Postgres> for Deposits {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Before anything else: `--help` and a bad flag touch nothing. clap echoes a misspelt
+    // flag with its value (`--databse-url=postgres://app:pw@db`): its errors go through the
+    // one redaction.
+    let Args {
+        brokers,
+        database_url,
+    } = <Args as clap::Parser>::try_parse().unwrap_or_else(|e| {
+        let text = e.render().to_string();
+        if e.use_stderr() {
+            eprint!("{}", txinbox::redact::url(&text));
+        } else {
+            print!("{text}");
+        }
+        std::process::exit(e.exit_code());
+    });
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,txinbox_kafka=info".into());
+    for directive in txinbox::redact::LOG_DIRECTIVES {
+        filter = filter.add_directive(directive.parse()?);
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,txinbox_kafka=info".into()),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let database_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
 
     // A fresh database with the inbox tables and the application's table.
     let admin_db: PgConnectOptions = database_url.parse()?;
