@@ -11,6 +11,7 @@ use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
 
 use crate::confirm::confirmed;
 use crate::error::AmqpError;
+use crate::fit;
 use crate::headers::KEY as KEY_HEADER;
 
 /// Default for [`AmqpPublisher::channels`].
@@ -27,7 +28,10 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// message: a message the broker returns as unroutable (no queue bound), a negative confirm, a
 /// lost connection or no confirm within [`publish_timeout`](Self::publish_timeout) is an
 /// error (transient: the relay retries it with backoff and dead-letters it after its bounded
-/// attempts).
+/// attempts). A message no retry can deliver is a permanent error (the relay dead-letters the
+/// row at once): headers too large for a content-header frame of the connection's `frame_max`
+/// (checked before sending: the broker would close the connection), or a body the broker
+/// refuses as over its `max_message_size`.
 ///
 /// The message carries its ID as the `message_id` property (the AMQP source's default
 /// [`IdStrategy::Native`](txinbox::IdStrategy::Native)) and as header
@@ -231,10 +235,19 @@ impl Publisher for AmqpPublisher {
                 .map_err(|e| PublishError::transient(format!("publishing {}: {e}", what())))?;
             *session = Some(fresh);
         }
-        let channel = session
+        let (channel, frame_max) = session
             .as_ref()
-            .map(|s| s.channel.clone())
+            .map(|s| (s.channel.clone(), s.conn.configuration().frame_max()))
             .expect("session set above");
+        let properties = Self::properties(message);
+        if let Err(why) = fit::check(&properties, frame_max) {
+            // Nothing was sent: the lane's channel is as good as before.
+            lane.settled = true;
+            return Err(PublishError::permanent(format!(
+                "publishing {}: {why}; the broker would close the connection (FRAME_ERROR) on every attempt, so the row is dead-lettered (smaller headers would fit)",
+                what()
+            )));
+        }
         let publish = async {
             let confirm = channel
                 .basic_publish(
@@ -245,7 +258,7 @@ impl Publisher for AmqpPublisher {
                         immediate: false,
                     },
                     message.payload(),
-                    Self::properties(message),
+                    properties,
                 )
                 .await?;
             confirm.await
@@ -253,11 +266,14 @@ impl Publisher for AmqpPublisher {
         let verdict = confirmed(self.publish_timeout, publish).await;
         lane.settled = true;
         let session = &mut *lane.session;
-        let failure = match verdict {
+        let (failure, too_large) = match verdict {
             Ok(()) => return Ok(()),
-            Err(unconfirmed) => unconfirmed.detail(|code, text| {
-                format!("returned as unroutable ({code} {text}); is a queue bound for this routing key?")
-            }),
+            Err(unconfirmed) => (
+                unconfirmed.detail(|code, text| {
+                    format!("returned as unroutable ({code} {text}); is a queue bound for this routing key?")
+                }),
+                fit::is_size_refusal(&unconfirmed),
+            ),
         };
         // The channel's state is uncertain now (a late confirm or return could be paired with
         // the next publish): start over with a fresh connection.
@@ -268,10 +284,12 @@ impl Publisher for AmqpPublisher {
             )
             .await;
         }
-        Err(PublishError::transient(format!(
-            "publishing {}: {failure}",
-            what()
-        )))
+        let text = format!("publishing {}: {failure}", what());
+        if too_large {
+            // The broker's max_message_size: the same row is refused on every attempt.
+            return Err(PublishError::permanent(text));
+        }
+        Err(PublishError::transient(text))
     }
 }
 
