@@ -467,7 +467,8 @@ mod tests {
             assert!(e.is_permanent(), "{category:?}");
             assert_eq!(e.reason(), DeadLetterReason::Undecodable, "{category:?}");
         }
-        let e = via_question_mark(std::str::from_utf8(&[0xff]));
+        let bytes = vec![0xff];
+        let e = via_question_mark(std::str::from_utf8(&bytes));
         assert_eq!(
             (e.is_permanent(), e.reason()),
             (true, DeadLetterReason::Undecodable)
