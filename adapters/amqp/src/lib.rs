@@ -45,7 +45,8 @@
 //! [`AmqpPublisher`] publishes the rows of txinbox's transactional outbox
 //! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: publisher confirms, `mandatory`
 //! (unroutable = not published), persistent, one at a time on one channel; the row's ID as
-//! `message_id` property and [`txinbox::outbox::ID_HEADER`] header, its key as
+//! `message_id` property, the [`txinbox::outbox::ID_HEADER`] header and the CloudEvents
+//! `cloudEvents:id` (with `cloudEvents:specversion`, `:source`, `:type`), its key as
 //! [`headers::KEY`].
 //!
 //! # Message identity

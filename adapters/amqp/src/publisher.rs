@@ -7,7 +7,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use txinbox::async_trait;
-use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
+use txinbox::outbox::{CloudEventsBinding, OutboxMessage, PublishError, Publisher, DEFAULT_SOURCE};
 
 use crate::confirm::confirmed;
 use crate::error::AmqpError;
@@ -34,9 +34,12 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// refuses as over its `max_message_size`.
 ///
 /// The message carries its ID as the `message_id` property (the AMQP source's default
-/// [`IdStrategy::Native`](txinbox::IdStrategy::Native)) and as header
-/// [`ID_HEADER`]; its key, if any, as header [`headers::KEY`](crate::headers::KEY); then the row's own headers
-/// (UTF-8 values as long strings, others as byte arrays).
+/// [`IdStrategy::Native`](txinbox::IdStrategy::Native)), as header
+/// [`ID_HEADER`](txinbox::outbox::ID_HEADER) and as the CloudEvents `cloudEvents:id`, with
+/// `cloudEvents:specversion`, `cloudEvents:source` ([`source`](Self::source)) and
+/// `cloudEvents:type` unless the row sets them ([`OutboxMessage::broker_headers`]); its key,
+/// if any, as header [`headers::KEY`](crate::headers::KEY); then the row's own headers (UTF-8
+/// values as long strings, others as byte arrays).
 ///
 /// Each channel carries one publish at a time: lapin pairs a `basic.return` with whichever
 /// confirm completes next, so with several publishes in flight on a channel an unroutable
@@ -51,6 +54,7 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct AmqpPublisher {
     uri: String,
     exchange: ShortString,
+    source: String,
     publish_timeout: Duration,
     connect_timeout: Duration,
     lanes: Vec<tokio::sync::Mutex<Option<Session>>>,
@@ -67,6 +71,7 @@ impl fmt::Debug for AmqpPublisher {
         f.debug_struct("AmqpPublisher")
             .field("uri", &txinbox::redact::url(&self.uri))
             .field("exchange", &self.exchange)
+            .field("source", &self.source)
             .field("publish_timeout", &self.publish_timeout)
             .finish_non_exhaustive()
     }
@@ -89,6 +94,7 @@ impl AmqpPublisher {
         let publisher = AmqpPublisher {
             uri,
             exchange: ShortString::default(),
+            source: DEFAULT_SOURCE.into(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
             lanes: Vec::new(),
@@ -112,6 +118,14 @@ impl AmqpPublisher {
     /// Publishes to `exchange` (which must exist), with the row's destination as routing key.
     pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
         self.exchange = ShortString::from(exchange.into());
+        self
+    }
+
+    /// The CloudEvents `source` (`cloudEvents:source`) of rows that do not set their own: a URI
+    /// reference naming the service whose outbox this is, e.g. `/billing`. Default
+    /// [`DEFAULT_SOURCE`] (also used if `source` is empty).
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
         self
     }
 
@@ -158,17 +172,16 @@ impl AmqpPublisher {
         }
     }
 
-    fn properties(message: &OutboxMessage) -> BasicProperties {
+    fn properties(&self, message: &OutboxMessage) -> BasicProperties {
         let mut headers = FieldTable::default();
-        headers.insert(
-            ID_HEADER.into(),
-            AMQPValue::LongString(LongString::from(message.message_id())),
-        );
         if let Some(key) = message.key() {
             headers.insert(KEY_HEADER.into(), value(key));
         }
-        for (name, v) in message.headers().iter() {
-            if name != ID_HEADER && name != KEY_HEADER {
+        for (name, v) in message
+            .broker_headers(CloudEventsBinding::Amqp, &self.source)
+            .iter()
+        {
+            if name != KEY_HEADER {
                 headers.insert(name.into(), value(v));
             }
         }
@@ -239,7 +252,7 @@ impl Publisher for AmqpPublisher {
             .as_ref()
             .map(|s| (s.channel.clone(), s.conn.configuration().frame_max()))
             .expect("session set above");
-        let properties = Self::properties(message);
+        let properties = self.properties(message);
         if let Err(why) = fit::check(&properties, frame_max) {
             // Nothing was sent: the lane's channel is as good as before.
             lane.settled = true;
@@ -297,19 +310,37 @@ impl Publisher for AmqpPublisher {
 mod tests {
     use super::*;
     use txinbox::message::Headers;
+    use txinbox::outbox::ID_HEADER;
 
     #[test]
     fn id_and_key_travel_as_property_and_headers() {
         let m = OutboxMessage::new("id-1", "q", "p")
             .with_key("k")
             .with_headers(Headers::new().with("raw", &b"\xff"[..]).with(ID_HEADER, "forged"));
-        let p = AmqpPublisher::properties(&m);
+        let publisher = AmqpPublisher {
+            uri: String::new(),
+            exchange: ShortString::default(),
+            source: "/billing".into(),
+            publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
+            lanes: Vec::new(),
+            next_lane: Default::default(),
+        };
+        let p = publisher.properties(&m);
         assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some("id-1"));
         assert_eq!(p.delivery_mode(), &Some(2));
         let headers = crate::headers::to_headers(p.headers().as_ref());
         assert_eq!(headers.get_str(ID_HEADER), Some("id-1"), "the row's ID wins");
         assert_eq!(headers.get_str(KEY_HEADER), Some("k"));
         assert_eq!(headers.get("raw"), Some(&b"\xff"[..]));
+        assert_eq!(headers.get_str("cloudEvents:id"), Some("id-1"));
+        assert_eq!(headers.get_str("cloudEvents:specversion"), Some("1.0"));
+        assert_eq!(headers.get_str("cloudEvents:source"), Some("/billing"));
+        assert_eq!(
+            headers.get_str("cloudEvents:type"),
+            Some("q"),
+            "the destination by default"
+        );
     }
 
     /// A publish the relay cancels (its own `publish_timeout`, shutdown) while the confirm is
