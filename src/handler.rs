@@ -134,9 +134,18 @@ impl<DB: sqlx::Database> fmt::Debug for Context<'_, DB> {
 
 /// Why a handler failed, and whether trying again can help.
 ///
-/// Any error converts into a **transient** `HandlerError`, so `?` works and the message is
-/// retried with backoff. Say [`HandlerError::permanent`] when a retry cannot succeed (invalid
-/// business data): the message is dead-lettered at once and its lane moves on.
+/// Any error converts into a `HandlerError`, so `?` works. Most become **transient**: the
+/// message is retried with backoff. Say [`HandlerError::permanent`] when a retry cannot succeed
+/// (invalid business data): the message is dead-lettered at once and its lane moves on.
+///
+/// Errors that the same bytes repeat on every attempt convert into permanent ones by
+/// themselves: a `serde_json::Error` that is not an I/O error
+/// (syntax, data, cut short: `serde_json::from_slice(msg.payload())?` is dead-lettered
+/// `undecodable` on its first attempt, as [`Message::json`] is), a UTF-8 error, and an outbox
+/// write that can never succeed. For another codec, decode through [`Message::decode`] or say
+/// `.map_err(HandlerError::undecodable)?`: the blanket conversion cannot recognise a type it does
+/// not know. Conversely, wrap a JSON error in [`HandlerError::transient`] when it comes from
+/// something that may answer differently next time (a remote service's response body).
 ///
 /// `HandlerError` deliberately does not implement [`std::error::Error`] (like `anyhow::Error`),
 /// which is what makes the blanket `From` possible.
@@ -275,8 +284,24 @@ where
         {
             return HandlerError::permanent(source);
         }
+        if undecodable_error(&*source) {
+            return HandlerError::undecodable(source);
+        }
         HandlerError::transient(source)
     }
+}
+
+/// Whether `e` says that bytes cannot be decoded, so that no retry can succeed: a
+/// `serde_json::Error` of category syntax, data or EOF (an I/O error from a reader is
+/// transient), a [`std::str::Utf8Error`] or a [`std::string::FromUtf8Error`]. The one rule the
+/// blanket `From` (and so `?` in a handler) applies to make a decode error permanent with
+/// reason `undecodable`; only the error itself is looked at, not its `source()` chain (a
+/// wrapped decode error may come from a peer that answers differently next time).
+pub(crate) fn undecodable_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    if let Some(e) = e.downcast_ref::<serde_json::Error>() {
+        return !e.is_io();
+    }
+    e.is::<std::str::Utf8Error>() || e.is::<std::string::FromUtf8Error>()
 }
 
 impl fmt::Debug for HandlerError {
@@ -435,5 +460,88 @@ impl<'a> BatchMessage<'a> {
     /// then carries this message's trace context rather than the batch's.
     pub fn span(&self) -> &'a tracing::Span {
         self.span
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn via_question_mark<T, E>(r: Result<T, E>) -> HandlerError
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let f = || -> Result<T, HandlerError> { Ok(r?) };
+        f().err().expect("an error")
+    }
+
+    #[test]
+    fn decode_errors_raised_with_question_mark_are_undecodable() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct Event {
+            id: String,
+        }
+        for (input, category) in [
+            (&b"{not json"[..], serde_json::error::Category::Syntax),
+            (br#"{"id": 5}"#, serde_json::error::Category::Data),
+            (br#"{"id": "a"#, serde_json::error::Category::Eof),
+        ] {
+            let e = serde_json::from_slice::<Event>(input).unwrap_err();
+            assert_eq!(e.classify(), category);
+            let e = via_question_mark(Err::<(), _>(e));
+            assert!(e.is_permanent(), "{category:?}");
+            assert_eq!(e.reason(), DeadLetterReason::Undecodable, "{category:?}");
+        }
+        let bytes = vec![0xff];
+        let e = via_question_mark(std::str::from_utf8(&bytes));
+        assert_eq!(
+            (e.is_permanent(), e.reason()),
+            (true, DeadLetterReason::Undecodable)
+        );
+        let e = via_question_mark(String::from_utf8(vec![0xff]));
+        assert_eq!(
+            (e.is_permanent(), e.reason()),
+            (true, DeadLetterReason::Undecodable)
+        );
+    }
+
+    #[test]
+    fn io_and_other_errors_stay_transient() {
+        struct Broken;
+        impl std::io::Read for Broken {
+            fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "peer went away",
+                ))
+            }
+        }
+        let e = serde_json::from_reader::<_, serde_json::Value>(Broken).unwrap_err();
+        assert!(e.is_io());
+        assert!(
+            !via_question_mark(Err::<(), _>(e)).is_permanent(),
+            "a reader's I/O error may pass"
+        );
+        assert!(!via_question_mark(Err::<(), _>("downstream busy")).is_permanent());
+        let io = std::io::Error::other("disk full");
+        assert!(!via_question_mark(Err::<(), _>(io)).is_permanent());
+    }
+
+    #[test]
+    fn decode_takes_any_codec_and_its_errors_are_undecodable() {
+        use crate::message::Origin;
+        let msg = Message::new(&b"12x"[..], Origin::new("memory", "q"));
+        let parsed = msg.decode(|p| std::str::from_utf8(p).map(str::len));
+        assert_eq!(parsed.ok(), Some(3));
+        let e = msg
+            .decode(|p| -> Result<u32, Box<dyn std::error::Error + Send + Sync>> {
+                Ok(std::str::from_utf8(p)?.parse()?)
+            })
+            .unwrap_err();
+        assert_eq!(
+            (e.is_permanent(), e.reason()),
+            (true, DeadLetterReason::Undecodable)
+        );
     }
 }

@@ -110,7 +110,21 @@ impl Message {
     /// carries the `undecodable` dead-letter reason: a malformed payload will not decode on a
     /// retry either, so it must not wedge its lane.
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, crate::HandlerError> {
-        serde_json::from_slice(&self.payload).map_err(crate::HandlerError::undecodable)
+        self.decode(|p| serde_json::from_slice(p))
+    }
+
+    /// Decodes the payload with any codec: `msg.decode(|p| Order::decode(p))?` (prost),
+    /// `msg.decode(|p| ciborium::from_reader(p))?`, ….
+    ///
+    /// As with [`json`](Self::json), a failure is *permanent* with the `undecodable`
+    /// dead-letter reason: the same bytes fail the same way on every attempt. Use it for
+    /// decoding the payload only; an error of `decode` that a retry may fix (it read from
+    /// elsewhere) would be dead-lettered too.
+    pub fn decode<T, E>(&self, decode: impl FnOnce(&[u8]) -> Result<T, E>) -> Result<T, crate::HandlerError>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        decode(&self.payload).map_err(crate::HandlerError::undecodable)
     }
 }
 

@@ -37,8 +37,10 @@
 //!
 //! - A row exists exactly when the transaction that wrote it committed.
 //! - Every committed row is published at least once (or dead-lettered after bounded attempts),
-//!   with its message ID: Kafka header [`ID_HEADER`], AMQP `message_id` property and
-//!   [`ID_HEADER`] header. Consumers deduplicate on it (`IdStrategy::Header(ID_HEADER)`).
+//!   with its message ID: header [`ID_HEADER`], the CloudEvents `id` in binary mode (Kafka
+//!   `ce_id`, AMQP `cloudEvents:id`) with `specversion`, `source` and `type`
+//!   ([`OutboxMessage::broker_headers`]), and on AMQP the `message_id` property. Consumers
+//!   deduplicate on it; the Kafka and AMQP sources do with their default settings.
 //! - Order: rows with the same `(destination, key)` are published in the order of their row
 //!   IDs (the order their transactions inserted them; rows written by *concurrent*
 //!   transactions for one key have no defined order). A row that fails is retried before any
@@ -78,9 +80,49 @@ use sha2::{Digest, Sha256};
 use crate::message::{hex, Headers, MAX_ID_LEN};
 
 /// The header that carries an outbox message's ID on the broker (Kafka record header; AMQP
-/// header, besides the `message_id` property). A downstream consumer deduplicates with
-/// `IdStrategy::Header(txinbox::outbox::ID_HEADER.into())`.
+/// header, besides the `message_id` property), as does the CloudEvents `id` attribute (see
+/// [`OutboxMessage::broker_headers`]). A downstream consumer deduplicates on either:
+/// `IdStrategy::Header(txinbox::outbox::ID_HEADER.into())`, or the default strategies of the
+/// Kafka (CloudEvents) and AMQP (`message_id`) sources.
 pub const ID_HEADER: &str = "message-id";
+
+/// The CloudEvents `specversion` a published message carries unless its headers say another.
+pub const CLOUDEVENTS_SPEC_VERSION: &str = "1.0";
+
+/// The CloudEvents `source` a published message carries unless its headers or its publisher
+/// (`KafkaPublisherBuilder::source`, `AmqpPublisher::source`) say another: the outbox that
+/// assigned the ID, within which IDs are unique. Name your service instead where consumers
+/// look at it.
+pub const DEFAULT_SOURCE: &str = "urn:txinbox:outbox";
+
+/// How a broker names the CloudEvents attributes of a message in binary content mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloudEventsBinding {
+    /// The Kafka protocol binding: record headers `ce_<attribute>`.
+    Kafka,
+    /// The AMQP binding: application properties (RabbitMQ headers) `cloudEvents:<attribute>`.
+    Amqp,
+}
+
+impl CloudEventsBinding {
+    fn prefix(self) -> &'static str {
+        match self {
+            CloudEventsBinding::Kafka => "ce_",
+            CloudEventsBinding::Amqp => "cloudEvents:",
+        }
+    }
+}
+
+/// The header names a CloudEvents attribute goes by in binary mode on any broker: Kafka
+/// `ce_`, AMQP `cloudEvents:` and its older `cloudEvents_` spelling.
+fn attribute_names(attribute: &str) -> [String; 3] {
+    [
+        format!("ce_{attribute}"),
+        format!("cloudEvents:{attribute}"),
+        format!("cloudEvents_{attribute}"),
+    ]
+}
 
 /// The databases an outbox can live in: [`sqlx::Postgres`] (feature `postgres`) and
 /// [`sqlx::Sqlite`] (feature `sqlite`). Sealed: [`write()`] and [`Relay`] know their SQL.
@@ -169,7 +211,8 @@ impl OutboxMessage {
         self
     }
 
-    /// Sets the headers. A header named [`ID_HEADER`] is replaced by the message ID on publish.
+    /// Sets the headers. Headers that carry an ID ([`ID_HEADER`], the CloudEvents `id`) are
+    /// replaced by the message ID on publish; see [`broker_headers`](Self::broker_headers).
     pub fn with_headers(mut self, headers: Headers) -> Self {
         self.headers = headers;
         self
@@ -198,6 +241,58 @@ impl OutboxMessage {
     /// The headers, in order.
     pub fn headers(&self) -> &Headers {
         &self.headers
+    }
+
+    /// The headers a [`Publisher`] sends with this message on a broker whose CloudEvents
+    /// binding is `binding`, so that a consumer finds its ID whichever way it looks: first
+    /// [`ID_HEADER`], then the CloudEvents binary-mode attributes under the binding's names
+    /// (Kafka `ce_specversion`, `ce_id`, `ce_source`, `ce_type`; AMQP `cloudEvents:…`), then
+    /// the message's own headers.
+    ///
+    /// - `id` is always the message ID: a header of the message that carries another ID
+    ///   ([`ID_HEADER`], `ce_id`, `cloudEvents:id`, `cloudEvents_id`) is left out, or a
+    ///   consumer could deduplicate two different messages into one.
+    /// - `specversion`, `source` and `type` are the message's own if it sets them under any
+    ///   binding's name (`ce_type` works on AMQP too; for `type` also a plain `type` header,
+    ///   which [`Message::message_type`](crate::Message::message_type) reads), and are never
+    ///   overwritten. Otherwise `specversion` is [`CLOUDEVENTS_SPEC_VERSION`], `source` is
+    ///   `source` (the publisher's; [`DEFAULT_SOURCE`] if empty) and `type` the destination.
+    pub fn broker_headers(&self, binding: CloudEventsBinding, source: &str) -> Headers {
+        let own = |attribute: &str| {
+            attribute_names(attribute)
+                .iter()
+                .find_map(|name| self.headers.get(name))
+        };
+        let source = if source.is_empty() { DEFAULT_SOURCE } else { source };
+        let id = self.message_id.as_bytes();
+        let attributes: [(&str, &[u8]); 4] = [
+            (
+                "specversion",
+                own("specversion").unwrap_or(CLOUDEVENTS_SPEC_VERSION.as_bytes()),
+            ),
+            ("id", id),
+            ("source", own("source").unwrap_or(source.as_bytes())),
+            (
+                "type",
+                own("type")
+                    .or_else(|| self.headers.get("type"))
+                    .unwrap_or(self.destination.as_bytes()),
+            ),
+        ];
+        let mut out = Headers::new().with(ID_HEADER, Bytes::copy_from_slice(id));
+        let mut written = vec![ID_HEADER.to_owned()];
+        for (attribute, value) in attributes {
+            let name = format!("{}{attribute}", binding.prefix());
+            out.insert(name.clone(), Bytes::copy_from_slice(value));
+            written.push(name);
+        }
+        let carries_an_id = attribute_names("id");
+        for (name, value) in self.headers.iter() {
+            if !written.iter().any(|w| w == name) && !carries_an_id.iter().any(|n| n == name) {
+                out.insert(name, Bytes::copy_from_slice(value));
+            }
+        }
+        out
     }
 
     fn validate(&self) -> Result<(), WriteError> {
@@ -383,7 +478,9 @@ impl std::error::Error for PublishError {
 ///   durably (Kafka: delivery report with `acks=all`; AMQP: publisher confirm, not returned as
 ///   unroutable). Anything else is an `Err`, including "maybe sent" (a timeout): the relay then
 ///   publishes the row again later, and consumers deduplicate on the message ID.
-/// - The message ID travels with the message ([`ID_HEADER`]; on AMQP also `message_id`).
+/// - The message ID travels with the message: send the headers of
+///   [`OutboxMessage::broker_headers`] ([`ID_HEADER`] and the CloudEvents attributes; on AMQP
+///   also the `message_id` property).
 /// - The relay calls `publish` concurrently for different `(destination, key)` units, but
 ///   never for two messages of the same unit at once: it awaits each before the next. A
 ///   publisher must therefore keep nothing else in order.
@@ -414,6 +511,84 @@ mod tests {
         let mut h = Sha256::new();
         h.update(b"\0\0\0\x07billing\0\0\0\x07order-1shipped");
         assert_eq!(a, hex(&h.finalize()));
+    }
+
+    #[test]
+    fn published_headers_carry_the_id_as_cloudevents_attributes() {
+        let m = OutboxMessage::new("evt-1", "orders.placed", "{}")
+            .with_headers(Headers::new().with("traceparent", "00-ab"));
+        let h = m.broker_headers(CloudEventsBinding::Kafka, "");
+        let got: Vec<(&str, &[u8])> = h.iter().collect();
+        let want: Vec<(&str, &[u8])> = vec![
+            (ID_HEADER, b"evt-1"),
+            ("ce_specversion", b"1.0"),
+            ("ce_id", b"evt-1"),
+            ("ce_source", DEFAULT_SOURCE.as_bytes()),
+            ("ce_type", b"orders.placed"),
+            ("traceparent", b"00-ab"),
+        ];
+        assert_eq!(got, want);
+        let h = m.broker_headers(CloudEventsBinding::Amqp, "/billing");
+        assert_eq!(h.get_str("cloudEvents:id"), Some("evt-1"));
+        assert_eq!(h.get_str("cloudEvents:source"), Some("/billing"));
+        assert_eq!(h.get_str("cloudEvents:specversion"), Some("1.0"));
+        assert_eq!(h.get_str("cloudEvents:type"), Some("orders.placed"));
+        assert_eq!(h.get("ce_id"), None);
+    }
+
+    #[test]
+    fn the_writers_attributes_are_kept_and_its_ids_replaced() {
+        let own = Headers::new()
+            .with("ce_type", "order.placed")
+            .with("cloudEvents:source", "/shop")
+            .with("ce_specversion", "1.0-rc")
+            .with("ce_id", "copied-from-the-incoming-event")
+            .with("cloudEvents_id", "another")
+            .with(ID_HEADER, "forged")
+            .with("tenant", "t-1");
+        let m = OutboxMessage::new("evt-2", "orders", "{}").with_headers(own);
+        for (binding, prefix) in [
+            (CloudEventsBinding::Kafka, "ce_"),
+            (CloudEventsBinding::Amqp, "cloudEvents:"),
+        ] {
+            let h = m.broker_headers(binding, "/ignored");
+            let attr = |a: &str| h.get_str(&format!("{prefix}{a}")).map(str::to_owned);
+            assert_eq!(attr("type").as_deref(), Some("order.placed"), "{binding:?}");
+            assert_eq!(attr("source").as_deref(), Some("/shop"), "{binding:?}");
+            assert_eq!(attr("specversion").as_deref(), Some("1.0-rc"), "{binding:?}");
+            assert_eq!(attr("id").as_deref(), Some("evt-2"), "{binding:?}");
+            let id_names = [ID_HEADER, "ce_id", "cloudEvents:id", "cloudEvents_id"];
+            let ids: Vec<(&str, &[u8])> = h.iter().filter(|(n, _)| id_names.contains(n)).collect();
+            assert_eq!(
+                ids.len(),
+                2,
+                "{binding:?}: {ID_HEADER} and the binding's id: {ids:?}"
+            );
+            assert!(ids.iter().all(|(_, v)| *v == b"evt-2"), "{binding:?}: {ids:?}");
+            assert_eq!(h.get_str("tenant"), Some("t-1"));
+            let names: Vec<&str> = h.iter().map(|(n, _)| n).collect();
+            let mut unique = names.clone();
+            unique.sort_unstable();
+            unique.dedup();
+            assert_eq!(unique.len(), names.len(), "no name twice: {names:?}");
+            // What a consumer derives, with the CloudEvents strategy (Kafka's default).
+            let msg = crate::Message::new(&b"{}"[..], crate::message::Origin::new("t", "orders"))
+                .with_headers(h.clone());
+            assert_eq!(
+                crate::IdStrategy::CloudEvents.derive(&msg).unwrap().as_str(),
+                "evt-2"
+            );
+            assert_eq!(msg.message_type(), Some("order.placed"));
+        }
+        let typed = OutboxMessage::new("evt-3", "orders", "{}")
+            .with_headers(Headers::new().with("type", "order.cancelled"));
+        let h = typed.broker_headers(CloudEventsBinding::Kafka, "");
+        assert_eq!(
+            h.get_str("ce_type"),
+            Some("order.cancelled"),
+            "a plain type header counts"
+        );
+        assert_eq!(h.get_str("type"), Some("order.cancelled"));
     }
 
     #[test]

@@ -139,3 +139,70 @@ async fn a_constraint_failing_at_commit_is_counted_and_dead_lettered_not_fatal()
             .unwrap();
     assert_eq!((reason.as_str(), attempts), ("attempts_exhausted", 3));
 }
+
+/// A handler that decodes with `serde_json::from_slice(..)?` (not `msg.json()`): a payload
+/// that cannot be decoded (bad syntax, wrong shape, cut short) is dead-lettered `undecodable`
+/// on its first attempt, not retried in place while its lane waits.
+#[tokio::test]
+async fn a_decode_error_raised_with_question_mark_is_dead_lettered_on_the_first_attempt() {
+    #[derive(serde::Deserialize)]
+    struct Deposit {
+        account: String,
+        amount: i64,
+    }
+    /// Records the highest attempt it ran.
+    #[derive(Clone, Default)]
+    struct FromSlice(std::sync::Arc<std::sync::atomic::AtomicU32>);
+    #[txinbox::async_trait]
+    impl Handler<Postgres> for FromSlice {
+        async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+            self.0
+                .fetch_max(cx.attempt(), std::sync::atomic::Ordering::SeqCst);
+            let d: Deposit = serde_json::from_slice(msg.payload())?;
+            sqlx::query(
+                "INSERT INTO accounts (id, balance) VALUES ($1, $2)
+                 ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+            )
+            .bind(&d.account)
+            .bind(d.amount)
+            .execute(cx.db())
+            .await?;
+            Ok(())
+        }
+    }
+    let db = TestDb::new(10).await;
+    let broker = MemoryBroker::new("payments");
+    broker.publish_in_lane("l", "syntax", "{not json");
+    broker.publish_in_lane("l", "data", r#"{"account": 5, "amount": 1}"#);
+    broker.publish_in_lane("l", "eof", r#"{"account": "alice", "amo"#);
+    broker.publish_in_lane("l", "good", r#"{"account": "alice", "amount": 7}"#);
+    broker.close();
+    let handler = FromSlice::default();
+    Consumer::builder("from_slice")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .retry_policy(fast_retries().max_attempts(5))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+
+    assert_eq!(db.balance("alice").await, 7, "the lane moved on");
+    let rows: Vec<(String, String, i32)> =
+        sqlx::query_as("SELECT message_id, reason, attempts FROM txinbox.dead_letters ORDER BY message_id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let expected: Vec<(String, String, i32)> = ["data", "eof", "syntax"]
+        .into_iter()
+        .map(|id| (id.to_owned(), "undecodable".to_owned(), 1))
+        .collect();
+    assert_eq!(rows, expected, "dead-lettered on the first attempt");
+    assert_eq!(
+        handler.0.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "no message had a second attempt"
+    );
+}

@@ -6,20 +6,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::ShortString;
 use lapin::{Acker, BasicProperties};
 use txinbox::{
     async_trait, dead_letter::DeadLetter, message::Origin, source::Lane, source::SettleError,
     source::Settlement, Delivery, Message,
 };
 
-use crate::confirm::confirmed;
+use crate::confirm::{confirmed, Unconfirmed};
+use crate::fit::{self, Form};
 use crate::headers::{self, int_header, to_headers};
 use crate::shared::{Generation, Shared};
 use crate::telemetry;
-
-/// Longest `x-txinbox-error` value, in bytes.
-const MAX_ERROR_HEADER: usize = 4096;
 
 /// One message received from RabbitMQ.
 ///
@@ -28,15 +26,17 @@ const MAX_ERROR_HEADER: usize = 4096;
 /// | settlement | on the broker |
 /// |---|---|
 /// | `Ack` | `basic.ack` (single) on the delivery's own channel |
-/// | `Retry { after }` | a copy (same properties and headers, `x-txinbox-retry` + 1, `expiration` = `after` in ms, persistent) is published to the retry queue with a publisher confirm, then the original is acked; when the copy expires the retry queue dead-letters it back to the work queue |
-/// | `DeadLetter` | a copy with `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue` (persistent, no expiration) is published to the dead-letter queue with a publisher confirm, then the original is acked |
+/// | `Retry { after }` | a copy (same properties and headers, `x-txinbox-retry` + 1, `expiration` = `after` in ms, persistent) is published to the retry queue with a publisher confirm, then the original is acked; when the copy expires the retry queue dead-letters it back to the work queue. A copy whose headers would not fit in a frame: the original is requeued (`basic.nack`) after `after` instead |
+/// | `DeadLetter` | a copy with `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue` (persistent, no expiration) is published to the dead-letter queue with a publisher confirm, then the original is acked. Made to fit: without the original headers if they would not fit in a frame beside these, without the payload if the broker refuses its size (see [`headers::HEADERS`]) |
 ///
-/// If the channel the delivery came from was lost, nothing is sent and `settle` fails: the
-/// broker redelivers the message and the inbox deduplicates it. If a copy is not confirmed
-/// (unroutable, nacked, timed out), the original is not acked and `settle` fails; while its
-/// channel lives, the original is requeued after a delay so it neither hot-loops nor sits
-/// unacknowledged. Copies never carry the original `user_id` (RabbitMQ would refuse a
-/// `user_id` other than the publishing connection's user) nor `cluster_id`.
+/// Copies are published on a channel of their own, so a publish the broker refuses with a
+/// channel error costs neither the consumer nor the other deliveries' acks. If the channel the
+/// delivery came from was lost, nothing is sent and `settle` fails: the broker redelivers the
+/// message and the inbox deduplicates it. If a copy is not confirmed (unroutable, nacked,
+/// refused, timed out), the original is not acked and `settle` fails; while its channel lives,
+/// the original is requeued after a delay so it neither hot-loops nor sits unacknowledged.
+/// Copies never carry the original `user_id` (RabbitMQ would refuse a `user_id` other than the
+/// publishing connection's user) nor `cluster_id`.
 pub struct AmqpDelivery {
     message: Message,
     lane: Lane,
@@ -139,25 +139,19 @@ impl AmqpDelivery {
         }
     }
 
-    /// Publishes a copy of the message to `queue` through the default exchange, mandatory,
-    /// and waits for the broker's confirm.
+    /// Publishes a copy of the message (`payload` or an empty body) to `queue` through the
+    /// default exchange, mandatory, on the generation's channel for copies, and waits for the
+    /// broker's confirm. A failure is counted and left to the caller to word.
     async fn publish_copy(
         &self,
         queue: &ShortString,
         properties: BasicProperties,
+        payload: &[u8],
         kind: &'static str,
-    ) -> Result<(), SettleError> {
-        let fail = |cause: &'static str, detail: String| {
-            self.shared
-                .counter(telemetry::PUBLISH_FAILURES, &[("kind", kind), ("cause", cause)])
-                .increment(1);
-            SettleError::new(format!(
-                "{kind} copy to queue {queue} not confirmed ({detail}); the original was not acknowledged"
-            ))
-        };
-        let channel = &self.generation.channel;
+    ) -> Result<(), Unconfirmed> {
         let publish = async {
-            let _one_at_a_time = self.generation.publish_lock.lock().await;
+            let mut slot = self.generation.copies.lock().await;
+            let channel = self.generation.copy_channel(&mut slot).await?;
             let confirm = channel
                 .basic_publish(
                     ShortString::default(),
@@ -166,26 +160,31 @@ impl AmqpDelivery {
                         mandatory: true,
                         immediate: false,
                     },
-                    self.message.payload(),
+                    payload,
                     properties,
                 )
                 .await?;
             confirm.await
         };
-        match confirmed(self.shared.publish_timeout, publish).await {
-            Ok(()) => {
-                self.shared
-                    .counter(telemetry::PUBLISHED, &[("kind", kind)])
-                    .increment(1);
-                Ok(())
-            }
-            Err(unconfirmed) => Err(fail(
-                unconfirmed.cause(),
-                unconfirmed.detail(|code, text| {
-                    format!("returned by the broker: {code} {text}; does the queue exist?")
-                }),
-            )),
+        let outcome = confirmed(self.shared.publish_timeout, publish).await;
+        match &outcome {
+            Ok(()) => self.shared.counter(telemetry::PUBLISHED, &[("kind", kind)]),
+            Err(unconfirmed) => self.shared.counter(
+                telemetry::PUBLISH_FAILURES,
+                &[("kind", kind), ("cause", unconfirmed.cause())],
+            ),
         }
+        .increment(1);
+        outcome
+    }
+
+    /// The settle error for a copy to `queue` that was not confirmed.
+    fn not_confirmed(&self, kind: &str, queue: &ShortString, unconfirmed: &Unconfirmed) -> SettleError {
+        let detail = unconfirmed
+            .detail(|code, text| format!("returned by the broker: {code} {text}; does the queue exist?"));
+        SettleError::new(format!(
+            "{kind} copy to queue {queue} not confirmed ({detail}); the original was not acknowledged"
+        ))
     }
 
     /// Gives the original back to the queue after `delay`, unless its channel is gone by then
@@ -220,22 +219,33 @@ impl AmqpDelivery {
         let count = int_header(original, headers::RETRY)
             .unwrap_or(0)
             .saturating_add(1);
-        let mut headers = original.cloned().unwrap_or_default();
-        headers.insert(headers::RETRY.into(), AMQPValue::LongLongInt(count));
-        let millis = after.as_millis().min(u128::from(u32::MAX));
-        let properties = copy_properties(&self.properties, headers, Some(millis.to_string().into()));
+        let millis = after.as_millis().min(u128::from(u32::MAX)).to_string();
+        let Some(properties) = fit::retry(&self.properties, count, &millis, self.generation.frame_max) else {
+            // Its headers leave no room for the counter and the expiration: given back to the
+            // queue after the delay instead, unchanged (the attempt is counted in the database).
+            tracing::warn!(
+                queue = %self.shared.queue,
+                frame_max = self.generation.frame_max,
+                ?after,
+                "the retry copy's headers would not fit in a frame; the original is requeued after the delay instead"
+            );
+            self.requeue_later(after);
+            return Ok(());
+        };
+        let queue = &self.shared.retry_queue;
         match self
-            .publish_copy(&self.shared.retry_queue, properties, "retry")
+            .publish_copy(queue, properties, self.message.payload(), "retry")
             .await
         {
             Ok(()) => self.ack().await,
-            Err(e) => {
+            Err(unconfirmed) => {
                 self.requeue_later(after.max(self.shared.requeue_delay));
-                Err(e)
+                Err(self.not_confirmed("retry", queue, &unconfirmed))
             }
         }
     }
 
+    /// Publishes the dead-letter copy, made to fit (see [`fit`]), then acks the original.
     async fn dead_letter(&self, dl: DeadLetter) -> Result<(), SettleError> {
         if !self.generation.alive() {
             self.shared
@@ -243,28 +253,64 @@ impl AmqpDelivery {
                 .increment(1);
             return Err(self.stale("dead-letter copy", "the channel was lost"));
         }
-        let mut headers = self.properties.headers().clone().unwrap_or_default();
-        headers.insert(
-            headers::REASON.into(),
-            AMQPValue::LongString(dl.reason.as_str().into()),
-        );
-        headers.insert(
-            headers::ERROR.into(),
-            AMQPValue::LongString(LongString::from(truncate(&dl.error, MAX_ERROR_HEADER))),
-        );
-        headers.insert(
-            headers::ORIGINAL_QUEUE.into(),
-            AMQPValue::LongString(self.shared.queue.as_bytes().to_vec().into()),
-        );
-        let properties = copy_properties(&self.properties, headers, None);
-        match self
-            .publish_copy(&self.shared.dead_letter_queue, properties, "dead_letter")
-            .await
-        {
-            Ok(()) => self.ack().await,
-            Err(e) => {
-                self.requeue_later(self.shared.requeue_delay);
-                Err(e)
+        let queue = &self.shared.dead_letter_queue;
+        let why = fit::Why {
+            reason: dl.reason.as_str(),
+            error: &dl.error,
+            queue: &self.shared.queue,
+        };
+        let payload = self.message.payload();
+        let mut payload_refused = false;
+        loop {
+            let frame_max = self.generation.frame_max;
+            let Some(copy) = fit::dead_letter(&self.properties, payload, &why, frame_max, payload_refused)
+            else {
+                tracing::error!(
+                    queue = %self.shared.queue,
+                    dead_letter_queue = %queue,
+                    frame_max,
+                    "no dead-letter copy fits in a frame; the database's dead letter is its record and the original is acknowledged without a copy"
+                );
+                self.shared
+                    .counter(telemetry::DEAD_LETTERS_REDUCED, &[("form", "none")])
+                    .increment(1);
+                return self.ack().await;
+            };
+            if copy.form != Form::Whole {
+                tracing::warn!(
+                    queue = %self.shared.queue,
+                    dead_letter_queue = %queue,
+                    form = copy.form.name(),
+                    frame_max,
+                    "the dead-letter copy leaves part of the original out to fit what the broker takes; the database's dead letter keeps it"
+                );
+            }
+            let body: &[u8] = if copy.form.keeps_payload() { payload } else { &[] };
+            match self
+                .publish_copy(queue, copy.properties, body, "dead_letter")
+                .await
+            {
+                Ok(()) => {
+                    if copy.form != Form::Whole {
+                        self.shared
+                            .counter(telemetry::DEAD_LETTERS_REDUCED, &[("form", copy.form.name())])
+                            .increment(1);
+                    }
+                    return self.ack().await;
+                }
+                Err(unconfirmed) if !payload_refused && fit::is_size_refusal(&unconfirmed) => {
+                    tracing::warn!(
+                        queue = %self.shared.queue,
+                        dead_letter_queue = %queue,
+                        error = %unconfirmed,
+                        "the broker refused the dead-letter copy's size (max_message_size); sending it without the payload"
+                    );
+                    payload_refused = true;
+                }
+                Err(unconfirmed) => {
+                    self.requeue_later(self.shared.requeue_delay);
+                    return Err(self.not_confirmed("dead_letter", queue, &unconfirmed));
+                }
             }
         }
     }
@@ -297,92 +343,9 @@ fn lane_of(headers: &txinbox::message::Headers, lane_header: Option<&str>) -> La
     }
 }
 
-/// The properties of a copy: everything of the original except `expiration` (replaced),
-/// `user_id` and `cluster_id`; headers replaced; always persistent.
-fn copy_properties(
-    p: &BasicProperties,
-    headers: FieldTable,
-    expiration: Option<ShortString>,
-) -> BasicProperties {
-    let mut c = BasicProperties::default()
-        .with_headers(headers)
-        .with_delivery_mode(2);
-    if let Some(v) = p.content_type() {
-        c = c.with_content_type(v.clone());
-    }
-    if let Some(v) = p.content_encoding() {
-        c = c.with_content_encoding(v.clone());
-    }
-    if let Some(v) = p.priority() {
-        c = c.with_priority(*v);
-    }
-    if let Some(v) = p.correlation_id() {
-        c = c.with_correlation_id(v.clone());
-    }
-    if let Some(v) = p.reply_to() {
-        c = c.with_reply_to(v.clone());
-    }
-    if let Some(v) = expiration {
-        c = c.with_expiration(v);
-    }
-    if let Some(v) = p.message_id() {
-        c = c.with_message_id(v.clone());
-    }
-    if let Some(v) = p.timestamp() {
-        c = c.with_timestamp(*v);
-    }
-    if let Some(v) = p.kind() {
-        c = c.with_type(v.clone());
-    }
-    if let Some(v) = p.app_id() {
-        c = c.with_app_id(v.clone());
-    }
-    c
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_owned();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_owned()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn copies_keep_identity_but_not_user_or_expiration() {
-        let mut h = FieldTable::default();
-        h.insert("a".into(), AMQPValue::LongString("1".into()));
-        let p = BasicProperties::default()
-            .with_message_id("m-1".into())
-            .with_user_id("someone-else".into())
-            .with_cluster_id("c".into())
-            .with_expiration("60000".into())
-            .with_correlation_id("corr".into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(1)
-            .with_headers(h.clone());
-        let c = copy_properties(&p, h.clone(), Some("250".into()));
-        assert_eq!(c.message_id().as_ref().map(|s| s.as_str()), Some("m-1"));
-        assert_eq!(c.correlation_id().as_ref().map(|s| s.as_str()), Some("corr"));
-        assert_eq!(
-            c.content_type().as_ref().map(|s| s.as_str()),
-            Some("application/json")
-        );
-        assert_eq!(c.expiration().as_ref().map(|s| s.as_str()), Some("250"));
-        assert_eq!(c.user_id(), &None);
-        assert_eq!(c.cluster_id(), &None);
-        assert_eq!(c.delivery_mode(), &Some(2), "copies are persistent");
-        assert_eq!(c.headers().as_ref(), Some(&h));
-        let dl = copy_properties(&p, h, None);
-        assert_eq!(dl.expiration(), &None, "dead letters never expire");
-    }
 
     #[test]
     fn lanes_come_from_the_configured_header_only() {
@@ -394,12 +357,5 @@ mod tests {
         );
         assert_eq!(lane_of(&h, Some("account")), Lane::Ordered("acct-7".into()));
         assert_eq!(lane_of(&h, Some("other")), Lane::Unordered, "no header, no lane");
-    }
-
-    #[test]
-    fn truncation_respects_char_boundaries() {
-        assert_eq!(truncate("abc", 5), "abc");
-        assert_eq!(truncate("abcdef", 3), "abc");
-        assert_eq!(truncate("ééé", 3), "é");
     }
 }

@@ -15,6 +15,19 @@ pub const REASON: &str = "x-txinbox-reason";
 pub const ERROR: &str = "x-txinbox-error";
 /// Dead letters: the queue the message was consumed from.
 pub const ORIGINAL_QUEUE: &str = "x-txinbox-original-queue";
+/// Dead letters: `omitted` when the copy leaves out the original headers (they did not fit in
+/// a frame of the connection's `frame_max` beside the `x-txinbox-*` ones). The database's dead
+/// letter keeps them.
+pub const HEADERS: &str = "x-txinbox-headers";
+/// Dead letters: `omitted` when the copy leaves out the payload (the broker refused its size,
+/// `max_message_size`). The database's dead letter keeps it up to `dead_letter_payload_limit`.
+pub const PAYLOAD: &str = "x-txinbox-payload";
+/// Dead letters that leave something out: the payload's size in bytes (a long integer), as the
+/// database's `payload_size`.
+pub const ORIGINAL_SIZE: &str = "x-txinbox-original-size";
+/// Dead letters that leave something out: the payload's SHA-256, lowercase hex, as the
+/// database's `payload_sha256`.
+pub const ORIGINAL_SHA256: &str = "x-txinbox-original-sha256";
 /// Outbox messages: the row's key. A consumer that must apply one key's messages in order sets
 /// [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
 pub const KEY: &str = "message-key";

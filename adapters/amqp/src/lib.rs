@@ -32,7 +32,7 @@
 //! |---|---|
 //! | processed, or a duplicate | `basic.ack` (never `multiple`), on the delivery's own channel |
 //! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue (a quorum queue, [`retry_queue_arguments`]) dead-letters the copy back to the work queue, at least once. Attempts are counted in the inbox database, not in `x-delivery-count` |
-//! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with [`headers`] `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked |
+//! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with [`headers`] `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked; without the original headers if they would not fit in a frame beside these ([`headers::HEADERS`]), without the payload if the broker refuses its size ([`headers::PAYLOAD`]) |
 //! | the ack (or a copy) does not reach the broker | `settle` fails; the message is redelivered and the inbox deduplicates it |
 //! | connection or channel lost, server `basic.cancel` | the supervisor reconnects with backoff, re-declares the topology, re-applies `basic.qos`, consumes again; deliveries of the old channel are never acked on the new one |
 //! | a delivery dropped unsettled | nothing is sent; redelivered when its channel closes |
@@ -45,7 +45,8 @@
 //! [`AmqpPublisher`] publishes the rows of txinbox's transactional outbox
 //! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: publisher confirms, `mandatory`
 //! (unroutable = not published), persistent, one at a time on one channel; the row's ID as
-//! `message_id` property and [`txinbox::outbox::ID_HEADER`] header, its key as
+//! `message_id` property, the [`txinbox::outbox::ID_HEADER`] header and the CloudEvents
+//! `cloudEvents:id` (with `cloudEvents:specversion`, `:source`, `:type`), its key as
 //! [`headers::KEY`].
 //!
 //! # Message identity
@@ -96,6 +97,7 @@ mod config;
 mod confirm;
 mod delivery;
 mod error;
+mod fit;
 pub mod headers;
 mod publisher;
 mod shared;

@@ -7,10 +7,11 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use txinbox::async_trait;
-use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
+use txinbox::outbox::{CloudEventsBinding, OutboxMessage, PublishError, Publisher, DEFAULT_SOURCE};
 
 use crate::confirm::confirmed;
 use crate::error::AmqpError;
+use crate::fit;
 use crate::headers::KEY as KEY_HEADER;
 
 /// Default for [`AmqpPublisher::channels`].
@@ -27,12 +28,18 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// message: a message the broker returns as unroutable (no queue bound), a negative confirm, a
 /// lost connection or no confirm within [`publish_timeout`](Self::publish_timeout) is an
 /// error (transient: the relay retries it with backoff and dead-letters it after its bounded
-/// attempts).
+/// attempts). A message no retry can deliver is a permanent error (the relay dead-letters the
+/// row at once): headers too large for a content-header frame of the connection's `frame_max`
+/// (checked before sending: the broker would close the connection), or a body the broker
+/// refuses as over its `max_message_size`.
 ///
 /// The message carries its ID as the `message_id` property (the AMQP source's default
-/// [`IdStrategy::Native`](txinbox::IdStrategy::Native)) and as header
-/// [`ID_HEADER`]; its key, if any, as header [`headers::KEY`](crate::headers::KEY); then the row's own headers
-/// (UTF-8 values as long strings, others as byte arrays).
+/// [`IdStrategy::Native`](txinbox::IdStrategy::Native)), as header
+/// [`ID_HEADER`](txinbox::outbox::ID_HEADER) and as the CloudEvents `cloudEvents:id`, with
+/// `cloudEvents:specversion`, `cloudEvents:source` ([`source`](Self::source)) and
+/// `cloudEvents:type` unless the row sets them ([`OutboxMessage::broker_headers`]); its key,
+/// if any, as header [`headers::KEY`](crate::headers::KEY); then the row's own headers (UTF-8
+/// values as long strings, others as byte arrays).
 ///
 /// Each channel carries one publish at a time: lapin pairs a `basic.return` with whichever
 /// confirm completes next, so with several publishes in flight on a channel an unroutable
@@ -47,6 +54,7 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct AmqpPublisher {
     uri: String,
     exchange: ShortString,
+    source: String,
     publish_timeout: Duration,
     connect_timeout: Duration,
     lanes: Vec<tokio::sync::Mutex<Option<Session>>>,
@@ -63,6 +71,7 @@ impl fmt::Debug for AmqpPublisher {
         f.debug_struct("AmqpPublisher")
             .field("uri", &txinbox::redact::url(&self.uri))
             .field("exchange", &self.exchange)
+            .field("source", &self.source)
             .field("publish_timeout", &self.publish_timeout)
             .finish_non_exhaustive()
     }
@@ -85,6 +94,7 @@ impl AmqpPublisher {
         let publisher = AmqpPublisher {
             uri,
             exchange: ShortString::default(),
+            source: DEFAULT_SOURCE.into(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
             lanes: Vec::new(),
@@ -108,6 +118,14 @@ impl AmqpPublisher {
     /// Publishes to `exchange` (which must exist), with the row's destination as routing key.
     pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
         self.exchange = ShortString::from(exchange.into());
+        self
+    }
+
+    /// The CloudEvents `source` (`cloudEvents:source`) of rows that do not set their own: a URI
+    /// reference naming the service whose outbox this is, e.g. `/billing`. Default
+    /// [`DEFAULT_SOURCE`] (also used if `source` is empty).
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
         self
     }
 
@@ -154,17 +172,16 @@ impl AmqpPublisher {
         }
     }
 
-    fn properties(message: &OutboxMessage) -> BasicProperties {
+    fn properties(&self, message: &OutboxMessage) -> BasicProperties {
         let mut headers = FieldTable::default();
-        headers.insert(
-            ID_HEADER.into(),
-            AMQPValue::LongString(LongString::from(message.message_id())),
-        );
         if let Some(key) = message.key() {
             headers.insert(KEY_HEADER.into(), value(key));
         }
-        for (name, v) in message.headers().iter() {
-            if name != ID_HEADER && name != KEY_HEADER {
+        for (name, v) in message
+            .broker_headers(CloudEventsBinding::Amqp, &self.source)
+            .iter()
+        {
+            if name != KEY_HEADER {
                 headers.insert(name.into(), value(v));
             }
         }
@@ -231,10 +248,19 @@ impl Publisher for AmqpPublisher {
                 .map_err(|e| PublishError::transient(format!("publishing {}: {e}", what())))?;
             *session = Some(fresh);
         }
-        let channel = session
+        let (channel, frame_max) = session
             .as_ref()
-            .map(|s| s.channel.clone())
+            .map(|s| (s.channel.clone(), s.conn.configuration().frame_max()))
             .expect("session set above");
+        let properties = self.properties(message);
+        if let Err(why) = fit::check(&properties, frame_max) {
+            // Nothing was sent: the lane's channel is as good as before.
+            lane.settled = true;
+            return Err(PublishError::permanent(format!(
+                "publishing {}: {why}; the broker would close the connection (FRAME_ERROR) on every attempt, so the row is dead-lettered (smaller headers would fit)",
+                what()
+            )));
+        }
         let publish = async {
             let confirm = channel
                 .basic_publish(
@@ -245,7 +271,7 @@ impl Publisher for AmqpPublisher {
                         immediate: false,
                     },
                     message.payload(),
-                    Self::properties(message),
+                    properties,
                 )
                 .await?;
             confirm.await
@@ -253,11 +279,14 @@ impl Publisher for AmqpPublisher {
         let verdict = confirmed(self.publish_timeout, publish).await;
         lane.settled = true;
         let session = &mut *lane.session;
-        let failure = match verdict {
+        let (failure, too_large) = match verdict {
             Ok(()) => return Ok(()),
-            Err(unconfirmed) => unconfirmed.detail(|code, text| {
-                format!("returned as unroutable ({code} {text}); is a queue bound for this routing key?")
-            }),
+            Err(unconfirmed) => (
+                unconfirmed.detail(|code, text| {
+                    format!("returned as unroutable ({code} {text}); is a queue bound for this routing key?")
+                }),
+                fit::is_size_refusal(&unconfirmed),
+            ),
         };
         // The channel's state is uncertain now (a late confirm or return could be paired with
         // the next publish): start over with a fresh connection.
@@ -268,10 +297,12 @@ impl Publisher for AmqpPublisher {
             )
             .await;
         }
-        Err(PublishError::transient(format!(
-            "publishing {}: {failure}",
-            what()
-        )))
+        let text = format!("publishing {}: {failure}", what());
+        if too_large {
+            // The broker's max_message_size: the same row is refused on every attempt.
+            return Err(PublishError::permanent(text));
+        }
+        Err(PublishError::transient(text))
     }
 }
 
@@ -279,19 +310,37 @@ impl Publisher for AmqpPublisher {
 mod tests {
     use super::*;
     use txinbox::message::Headers;
+    use txinbox::outbox::ID_HEADER;
 
     #[test]
     fn id_and_key_travel_as_property_and_headers() {
         let m = OutboxMessage::new("id-1", "q", "p")
             .with_key("k")
             .with_headers(Headers::new().with("raw", &b"\xff"[..]).with(ID_HEADER, "forged"));
-        let p = AmqpPublisher::properties(&m);
+        let publisher = AmqpPublisher {
+            uri: String::new(),
+            exchange: ShortString::default(),
+            source: "/billing".into(),
+            publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
+            lanes: Vec::new(),
+            next_lane: Default::default(),
+        };
+        let p = publisher.properties(&m);
         assert_eq!(p.message_id().as_ref().map(|s| s.as_str()), Some("id-1"));
         assert_eq!(p.delivery_mode(), &Some(2));
         let headers = crate::headers::to_headers(p.headers().as_ref());
         assert_eq!(headers.get_str(ID_HEADER), Some("id-1"), "the row's ID wins");
         assert_eq!(headers.get_str(KEY_HEADER), Some("k"));
         assert_eq!(headers.get("raw"), Some(&b"\xff"[..]));
+        assert_eq!(headers.get_str("cloudEvents:id"), Some("id-1"));
+        assert_eq!(headers.get_str("cloudEvents:specversion"), Some("1.0"));
+        assert_eq!(headers.get_str("cloudEvents:source"), Some("/billing"));
+        assert_eq!(
+            headers.get_str("cloudEvents:type"),
+            Some("q"),
+            "the destination by default"
+        );
     }
 
     /// A publish the relay cancels (its own `publish_timeout`, shutdown) while the confirm is

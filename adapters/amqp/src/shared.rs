@@ -3,11 +3,11 @@
 //! and the connection health ([`AmqpMonitor`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use lapin::types::ShortString;
-use lapin::Channel;
+use lapin::{Channel, Connection};
 
 /// State shared by the source, its supervisor and every delivery.
 #[derive(Debug)]
@@ -42,15 +42,54 @@ pub(crate) struct Generation {
     pub(crate) id: u64,
     pub(crate) channel: Channel,
     pub(crate) alive: AtomicBool,
+    /// The connection's negotiated `frame_max` (0: no limit): what a copy's properties must fit in.
+    pub(crate) frame_max: u32,
+    /// The connection, for opening [`copies`](Self::copies).
+    pub(crate) connection: Weak<Connection>,
+    /// The channel retry and dead-letter copies are published on, in confirm mode, opened when
+    /// first needed and again after it closed. Not the consuming channel: a publish the broker
+    /// refuses with a channel error (`ACCESS_REFUSED`, `max_message_size`) closes only this
+    /// one, and the consumer, its deliveries and their acks carry on.
+    ///
     /// Held from a copy's publish to its confirm. lapin pairs a `basic.return` with whichever
     /// confirm completes next, not with its own publish, so with several copies in flight an
     /// unroutable copy could be taken as confirmed and its original acked: one at a time.
-    pub(crate) publish_lock: tokio::sync::Mutex<()>,
+    pub(crate) copies: tokio::sync::Mutex<Option<Channel>>,
 }
 
 impl Generation {
+    pub(crate) fn new(id: u64, connection: &Arc<Connection>, channel: Channel) -> Generation {
+        Generation {
+            id,
+            channel,
+            alive: AtomicBool::new(true),
+            frame_max: connection.configuration().frame_max(),
+            connection: Arc::downgrade(connection),
+            copies: tokio::sync::Mutex::new(None),
+        }
+    }
+
     pub(crate) fn alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst) && self.channel.status().connected()
+    }
+
+    /// The channel for copies, opened (in confirm mode) if there is none or it closed.
+    pub(crate) async fn copy_channel(&self, slot: &mut Option<Channel>) -> Result<Channel, lapin::Error> {
+        if let Some(channel) = slot.as_ref().filter(|c| c.status().connected()) {
+            return Ok(channel.clone());
+        }
+        *slot = None;
+        let connection = self.connection.upgrade().ok_or_else(|| {
+            lapin::Error::from(lapin::ErrorKind::InvalidConnectionState(
+                lapin::ConnectionState::Closed,
+            ))
+        })?;
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await?;
+        *slot = Some(channel.clone());
+        Ok(channel)
     }
 }
 

@@ -1,6 +1,6 @@
 //! [`AmqpSource`] and the supervisor task that owns the connection.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -168,7 +168,7 @@ impl MessageSource for AmqpSource {
 }
 
 struct Session {
-    conn: Connection,
+    conn: Arc<Connection>,
     /// A channel of its own for reading the queue depth: a failed passive declare closes its
     /// channel, which must not be the consuming one.
     depth: Channel,
@@ -381,16 +381,12 @@ impl Supervisor {
                 return Err(classify("channel.open (queue depth)", e));
             }
         };
+        let conn = Arc::new(conn);
         Ok(Session {
+            generation: Arc::new(Generation::new(generation, &conn, channel)),
             conn,
             depth,
             consumer,
-            generation: Arc::new(Generation {
-                id: generation,
-                channel,
-                alive: AtomicBool::new(true),
-                publish_lock: tokio::sync::Mutex::new(()),
-            }),
         })
     }
 

@@ -9,7 +9,8 @@
 //! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel`, `not_sent` (lapin returned `Ok(false)`), `error`, `timeout`. The message is redelivered and deduplicated |
 //! | `txinbox_amqp_publish_failures_total` | counter | a retry or dead-letter copy was not confirmed; labels `kind` (`retry`, `dead_letter`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
 //! | `txinbox_amqp_published_total` | counter | retry or dead-letter copies confirmed by the broker; label `kind` |
-//! | `txinbox_amqp_requeued_total` | counter | originals given back with `basic.nack(requeue)` after a failed copy |
+//! | `txinbox_amqp_requeued_total` | counter | originals given back with `basic.nack(requeue)` after a failed copy, or instead of a retry copy that would not fit in a frame |
+//! | `txinbox_amqp_dead_letters_reduced_total` | counter | dead-letter copies that leave part of the original out to fit what the broker takes; label `form`: `headers_omitted` (frame_max), `payload_omitted` (max_message_size), `payload_and_headers_omitted`, `none` (no copy fits: acked on the strength of the database's dead letter) |
 //! | `txinbox_amqp_stale_dropped_total` | counter | deliveries of a lost channel dropped before reaching the runtime (the broker redelivers them) |
 
 /// Counter: connection/channel/consumer rebuilt.
@@ -26,6 +27,8 @@ pub const PUBLISH_FAILURES: &str = "txinbox_amqp_publish_failures_total";
 pub const PUBLISHED: &str = "txinbox_amqp_published_total";
 /// Counter: originals requeued after a failed copy.
 pub const REQUEUED: &str = "txinbox_amqp_requeued_total";
+/// Counter: dead-letter copies cut to fit, by `form`.
+pub const DEAD_LETTERS_REDUCED: &str = "txinbox_amqp_dead_letters_reduced_total";
 /// Counter: deliveries of a lost channel dropped before the runtime saw them.
 pub const STALE_DROPPED: &str = "txinbox_amqp_stale_dropped_total";
 
@@ -52,6 +55,10 @@ pub(crate) fn describe() {
     describe_counter!(
         REQUEUED,
         "Originals requeued after a retry or dead-letter copy failed"
+    );
+    describe_counter!(
+        DEAD_LETTERS_REDUCED,
+        "Dead-letter copies that leave the original headers or payload out to fit what the broker takes"
     );
     describe_counter!(
         STALE_DROPPED,

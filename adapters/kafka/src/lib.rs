@@ -25,7 +25,9 @@
 //! [`KafkaPublisher`] publishes the rows of txinbox's transactional outbox
 //! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: idempotent producer, `acks=all`,
 //! `Ok` only on a delivery report, the row's key as the record key (per-key order = partition
-//! order), the message ID in the [`txinbox::outbox::ID_HEADER`] header.
+//! order), the message ID in the [`txinbox::outbox::ID_HEADER`] header and as the CloudEvents
+//! `ce_id` (with `ce_specversion`, `ce_source`, `ce_type`), which a [`KafkaSource`] reads by
+//! default.
 //!
 //! # Health and lag
 //!

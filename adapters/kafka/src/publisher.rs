@@ -9,7 +9,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use txinbox::async_trait;
-use txinbox::outbox::{OutboxMessage, PublishError, Publisher, ID_HEADER};
+use txinbox::outbox::{CloudEventsBinding, OutboxMessage, PublishError, Publisher, DEFAULT_SOURCE};
 
 use crate::config::{masked_error, Properties};
 use crate::produce;
@@ -34,8 +34,12 @@ const OWNED: &[(&str, &str)] = &[
 
 /// Publishes outbox rows to Kafka for a [`txinbox::outbox::Relay`]: the row's destination is
 /// the topic, its key the record key (so the partitioner keeps one key on one partition, and
-/// the relay's per-key order is the partition's order), its message ID the record header
-/// [`ID_HEADER`] (the row's own headers follow).
+/// the relay's per-key order is the partition's order), its message ID the record headers
+/// [`ID_HEADER`](txinbox::outbox::ID_HEADER) and `ce_id`, with the CloudEvents attributes
+/// `ce_specversion`, `ce_source` ([`source`](KafkaPublisherBuilder::source)) and `ce_type`
+/// unless the row sets them (the row's own headers follow; see
+/// [`OutboxMessage::broker_headers`]). A [`KafkaSource`](crate::KafkaSource) with its default
+/// settings (CloudEvents IDs) deduplicates on it.
 ///
 /// The producer is idempotent with `acks=all`; [`publish`](Publisher::publish) returns `Ok`
 /// only on a successful delivery report. Errors that no retry fixes (record too large, invalid
@@ -53,6 +57,7 @@ const OWNED: &[(&str, &str)] = &[
 /// pending. A replaced producer is dropped on a thread of its own once its last publish ended.
 pub struct KafkaPublisher {
     config: rdkafka::ClientConfig,
+    source: String,
     producer: Mutex<Arc<FutureProducer>>,
     delivery_timeout: Duration,
 }
@@ -60,6 +65,7 @@ pub struct KafkaPublisher {
 impl fmt::Debug for KafkaPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaPublisher")
+            .field("source", &self.source)
             .field("delivery_timeout", &self.delivery_timeout)
             .finish_non_exhaustive()
     }
@@ -70,6 +76,7 @@ impl fmt::Debug for KafkaPublisher {
 #[derive(Clone)]
 pub struct KafkaPublisherBuilder {
     brokers: String,
+    source: String,
     delivery_timeout: Duration,
     properties: BTreeMap<String, String>,
 }
@@ -78,6 +85,7 @@ impl fmt::Debug for KafkaPublisherBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaPublisherBuilder")
             .field("brokers", &txinbox::redact::url(&self.brokers))
+            .field("source", &self.source)
             .field("delivery_timeout", &self.delivery_timeout)
             .field("properties", &Properties(&self.properties))
             .finish()
@@ -89,6 +97,7 @@ impl KafkaPublisher {
     pub fn builder(brokers: impl Into<String>) -> KafkaPublisherBuilder {
         KafkaPublisherBuilder {
             brokers: brokers.into(),
+            source: DEFAULT_SOURCE.into(),
             delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
             properties: BTreeMap::new(),
         }
@@ -139,6 +148,14 @@ impl KafkaPublisherBuilder {
         self
     }
 
+    /// The CloudEvents `source` (`ce_source`) of rows that do not set their own: a URI
+    /// reference naming the service whose outbox this is, e.g. `/billing` or
+    /// `urn:example:billing`. Default [`DEFAULT_SOURCE`].
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
+        self
+    }
+
     /// Sets a librdkafka producer property (security, `linger.ms`, `compression.type`, …).
     /// `enable.idempotence`, `acks`, `message.timeout.ms`, `transactional.id` and
     /// `bootstrap.servers` are owned by the publisher and refused.
@@ -152,6 +169,11 @@ impl KafkaPublisherBuilder {
         if self.brokers.trim().is_empty() {
             return Err(txinbox::Error::Config(
                 "KafkaPublisher: brokers is empty; pass host:port of at least one broker".into(),
+            ));
+        }
+        if self.source.trim().is_empty() {
+            return Err(txinbox::Error::Config(
+                "KafkaPublisher: source is empty; CloudEvents needs a non-empty URI reference such as /billing (or leave the default)".into(),
             ));
         }
         if self.delivery_timeout < Duration::from_millis(1) {
@@ -187,6 +209,7 @@ impl KafkaPublisherBuilder {
         })?;
         Ok(KafkaPublisher {
             config: c,
+            source: self.source,
             producer: Mutex::new(Arc::new(producer)),
             delivery_timeout: self.delivery_timeout,
         })
@@ -209,11 +232,9 @@ fn classify(e: KafkaError, message: &OutboxMessage) -> PublishError {
 #[async_trait]
 impl Publisher for KafkaPublisher {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        let mut headers = OwnedHeaders::new_with_capacity(message.headers().len() + 1).insert(Header {
-            key: ID_HEADER,
-            value: Some(message.message_id()),
-        });
-        for (name, value) in message.headers().iter().filter(|(n, _)| *n != ID_HEADER) {
+        let published = message.broker_headers(CloudEventsBinding::Kafka, &self.source);
+        let mut headers = OwnedHeaders::new_with_capacity(published.len());
+        for (name, value) in published.iter() {
             headers = headers.insert(Header {
                 key: name,
                 value: Some(value),
@@ -266,6 +287,12 @@ mod tests {
         }
         let err = KafkaPublisher::builder(" ").build().unwrap_err().to_string();
         assert!(err.contains("brokers"), "{err}");
+        let err = KafkaPublisher::builder("127.0.0.1:9092")
+            .source(" ")
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("source"), "{err}");
     }
 
     #[test]

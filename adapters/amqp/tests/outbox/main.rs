@@ -645,3 +645,130 @@ async fn unroutable_is_a_failure_and_the_publisher_recovers() {
         "the password is not shown: {err}"
     );
 }
+
+/// Consumer B of [`a_consumer_with_default_settings_takes_the_outbox_messages_once`]: one
+/// effect per message, with the CloudEvents type and source it arrived with.
+struct RecordHandler;
+
+#[async_trait]
+impl Handler<Postgres> for RecordHandler {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
+        let h = msg.headers();
+        assert_eq!(h.get_str("cloudEvents:id"), Some(cx.message_id().as_str()));
+        assert_eq!(h.get_str("cloudEvents:specversion"), Some("1.0"));
+        sqlx::query("INSERT INTO b_effects (message_id, customer, event) VALUES ($1, $2, $3)")
+            .bind(cx.message_id().as_str())
+            .bind(h.get_str("cloudEvents:type"))
+            .bind(h.get_str("cloudEvents:source").unwrap_or("-"))
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+}
+
+/// What one service's outbox publishes, another service's consumer takes with its **default**
+/// settings (an `AmqpSource` reads the `message_id` property): every row applied once, none
+/// dead-lettered. The messages carry the CloudEvents attributes of the AMQP binding too, the
+/// row's own `type` and `source` where it set them, and never an ID other than the row's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_with_default_settings_takes_the_outbox_messages_once() {
+    use txinbox::message::Headers;
+    let q = unique("default");
+    let (_conn, ch) = broker(&[&q]).await;
+    let (pool, db) = create_db().await;
+    const ROWS: usize = 24;
+    for i in 0..ROWS {
+        let mut h = Headers::new();
+        if i.is_multiple_of(4) {
+            h.insert("ce_type", "bank.deposit");
+            h.insert("cloudEvents:source", "/bank");
+        }
+        if i.is_multiple_of(3) {
+            h.insert("cloudEvents:id", "the-incoming-event");
+            h.insert("ce_id", "the-incoming-event");
+        }
+        let m = OutboxMessage::new(format!("evt-{i}"), &q, format!("{i}"))
+            .with_key(format!("k{}", i % 3))
+            .with_headers(h);
+        outbox::write(&pool, &m).await.unwrap();
+    }
+    let relay = Relay::new(pool.clone(), publisher().await, relay_config("default", 10)).unwrap();
+    let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(relay.run_until(async {
+        let _ = relay_stopped.await;
+    }));
+    let b = Running::start(&pool, "service-b", AmqpConfig::new(amqp_url(), &q), RecordHandler).await;
+    let started = Instant::now();
+    loop {
+        let applied = scalar(&pool, "SELECT count(DISTINCT message_id) FROM b_effects").await;
+        if applied == ROWS as i64 {
+            break;
+        }
+        let dead: Vec<(String, String)> =
+            sqlx::query_as("SELECT coalesce(message_id, '-'), reason FROM txinbox.dead_letters LIMIT 3")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{applied} of {ROWS} outbox messages applied after 30 s; dead letters: {dead:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    b.stop().await;
+    let _ = stop_relay.send(());
+    relay.await.unwrap().unwrap();
+
+    let rows: Vec<(String, Option<String>, String)> =
+        sqlx::query_as("SELECT message_id, customer, event FROM b_effects ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), ROWS, "each applied once: {rows:?}");
+    let ids: HashSet<String> = rows.iter().map(|r| r.0.clone()).collect();
+    let expected: HashSet<String> = (0..ROWS).map(|i| format!("evt-{i}")).collect();
+    assert_eq!(ids, expected, "under the rows' own IDs");
+    for (id, kind, source) in &rows {
+        let i: usize = id.trim_start_matches("evt-").parse().unwrap();
+        let (want_kind, want_source) = if i.is_multiple_of(4) {
+            ("bank.deposit", "/bank")
+        } else {
+            (q.as_str(), outbox::DEFAULT_SOURCE)
+        };
+        assert_eq!(
+            (kind.as_deref(), source.as_str()),
+            (Some(want_kind), want_source),
+            "{id}"
+        );
+    }
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM txinbox.dead_letters").await,
+        0
+    );
+    delete_queues(&ch, &[&q]).await;
+    drop_db(pool, db).await;
+}
+
+/// A row whose headers do not fit in one content-header frame of the connection's `frame_max`
+/// would make the broker close the connection (FRAME_ERROR) on every attempt: the publisher
+/// refuses it as permanent before sending (the relay dead-letters it at once), and the next
+/// row goes through on the same connection.
+#[tokio::test]
+async fn a_row_whose_headers_exceed_a_frame_is_a_permanent_failure() {
+    use txinbox::message::Headers;
+    let q = unique("frame");
+    let (_conn, ch) = broker(&[&q]).await;
+    let p = publisher().await.channels(1);
+    let big = Headers::new().with("x-big", "x".repeat(140_000));
+    let err = p
+        .publish(&OutboxMessage::new("too-big", &q, "x").with_headers(big))
+        .await
+        .expect_err("a row over frame_max is not published");
+    assert!(err.is_permanent(), "no retry can send it: {err}");
+    assert!(err.to_string().contains("frame_max"), "{err}");
+    p.publish(&OutboxMessage::new("ok", &q, "x"))
+        .await
+        .expect("the next row goes through");
+    assert_eq!(ready(&ch, &q).await, 1);
+    delete_queues(&ch, &[&q]).await;
+}

@@ -667,3 +667,243 @@ async fn a_dead_letter_queue_that_refuses_writes_holds_only_its_message_and_take
     queue.delete().await;
     db.drop_db().await;
 }
+
+/// The size of the content-header frame that carries `properties`, as lapin writes it:
+/// frame header (7) + class, weight and body size (12) + properties + frame end (1).
+fn header_frame_len(properties: &lapin::BasicProperties) -> usize {
+    let written = lapin::protocol::basic::gen_properties::<Vec<u8>>(properties)(Vec::new().into())
+        .expect("serialize the properties");
+    20 + written.position as usize
+}
+
+/// Headers whose content-header frame, with message ID `id`, is exactly `target` bytes:
+/// `count` headers `h-0000`…, their long-string values padded to fill the rest.
+fn headers_filling(id: &str, target: usize, count: usize) -> FieldTable {
+    use lapin::types::{AMQPValue, LongString};
+    let build = |pad: usize| {
+        let mut t = FieldTable::default();
+        for i in 0..count {
+            let len = pad / count + usize::from(i < pad % count);
+            t.insert(
+                format!("h-{i:04}").into(),
+                AMQPValue::LongString(LongString::from("x".repeat(len))),
+            );
+        }
+        t
+    };
+    let props = |t: FieldTable| {
+        lapin::BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(id.into())
+            .with_headers(t)
+    };
+    let empty = header_frame_len(&props(build(0)));
+    let table = build(target - empty);
+    assert_eq!(header_frame_len(&props(table.clone())), target);
+    table
+}
+
+/// A third-party message whose header table is within a few hundred bytes of the connection's
+/// `frame_max`: the dead-letter copy's `x-txinbox-*` headers must not push its content-header
+/// frame over the limit (the broker closes the connection with FRAME_ERROR, the message goes
+/// back to the head of the queue, for ever). The copy is cut to fit, the queue behind it flows,
+/// the connection is never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_headers_nearly_fill_a_frame_is_dead_lettered_without_a_reconnect() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("bighead").await;
+    let frame_max = {
+        let conn = lapin::Connection::connect(&amqp_url(), Default::default())
+            .await
+            .unwrap();
+        let f = conn.configuration().frame_max() as usize;
+        let _ = conn.close(200, "done".into()).await;
+        f
+    };
+    assert!(frame_max >= 4096, "negotiated frame_max {frame_max}");
+    let handler = DepositHandler::failing(|m, attempt| match m.native_id() {
+        Some("tight-flaky") if attempt == 1 => Some(HandlerError::transient("downstream busy")),
+        _ => None,
+    });
+    let spec = Spec {
+        name: "bighead",
+        db: &db,
+        handler: handler.clone(),
+        concurrency: 4,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    let consumer = start(&spec, queue.config(16), &probe, 0).await;
+
+    // Two undecodable messages, 64 bytes short of the limit: one long header value, many
+    // small headers. A valid one 8 bytes short that fails once (its retry copy adds a header
+    // and an expiration).
+    queue
+        .publish_with_headers(
+            "poison-long",
+            b"not json",
+            headers_filling("poison-long", frame_max - 64, 1),
+        )
+        .await;
+    queue
+        .publish_with_headers(
+            "poison-many",
+            b"not json either",
+            headers_filling("poison-many", frame_max - 64, 1500),
+        )
+        .await;
+    queue
+        .publish_with_headers(
+            "tight-flaky",
+            deposit("dora", 7).as_bytes(),
+            headers_filling("tight-flaky", frame_max - 8, 1),
+        )
+        .await;
+    const GOOD: i64 = 300;
+    let good: Vec<(Option<String>, String)> = (0..GOOD)
+        .map(|i| (Some(format!("good-{i}")), deposit(&format!("acct-{}", i % 5), 1)))
+        .collect();
+    queue.publish_all(&good).await;
+
+    let started = Instant::now();
+    loop {
+        let applied = total_balance(&db).await;
+        if applied == GOOD + 7 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{applied} of {} deposited after 30 s, {} reconnects",
+            GOOD + 7,
+            consumer.monitor.reconnects()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = started.elapsed();
+    wait_until(
+        Duration::from_secs(15),
+        "both copies in the dead-letter queue",
+        || async { queue.stats_of(&format!("{}.dlq", queue.name)).await.0 == 2 },
+    )
+    .await;
+    let reconnects = consumer.monitor.reconnects();
+    consumer.stop().await;
+
+    assert_eq!(reconnects, 0, "a copy never costs the connection");
+    assert_eq!(db.balance("dora").await, 7, "the tight message's retry worked");
+    let attempts: Vec<u32> = handler
+        .starts_of("tight-flaky")
+        .iter()
+        .map(|s| s.attempt)
+        .collect();
+    assert_eq!(attempts.last(), Some(&2), "retried once: {attempts:?}");
+    assert_eq!(queue.ready().await, 0);
+    let mut dlq = queue.drain_dlq().await;
+    dlq.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(dlq.len(), 2, "{:?}", dlq.iter().map(|d| &d.0).collect::<Vec<_>>());
+    for ((id, headers), name) in dlq.iter().zip(["poison-long", "poison-many"]) {
+        assert_eq!(id.as_deref(), Some(name));
+        assert_eq!(
+            headers.get("x-txinbox-reason").map(String::as_str),
+            Some("undecodable")
+        );
+        assert_eq!(
+            headers.get("x-txinbox-headers").map(String::as_str),
+            Some("omitted"),
+            "{name}: the original headers were cut"
+        );
+        assert!(!headers.contains_key("h-0000"), "{name}");
+        let (size, sha256): (i64, String) = sqlx::query_as(
+            "SELECT payload_size, encode(payload_sha256, 'hex') FROM txinbox.dead_letters WHERE message_id = $1",
+        )
+        .bind(name)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            headers.get("x-txinbox-original-size"),
+            Some(&size.to_string()),
+            "{name}"
+        );
+        assert_eq!(headers.get("x-txinbox-original-sha256"), Some(&sha256), "{name}");
+    }
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 2);
+    eprintln!("{GOOD} good deposits applied in {took:?}");
+    queue.delete().await;
+    db.drop_db().await;
+}
+
+/// A dead-letter copy the broker refuses with a channel error (here `ACCESS_REFUSED`: the
+/// consumer's user may not write) closes only the channel copies go on: the consumer keeps its
+/// connection and channel, the good messages are applied and acked, and the refused message
+/// alone waits, requeued after `requeue_delay`, as with a dead-letter queue that nacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_refused_with_a_channel_error_costs_neither_the_consumer_nor_its_queue() {
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("refused").await;
+    let user = ReadOnlyUser::create();
+    const REQUEUE: Duration = Duration::from_millis(300);
+    let spec = Spec {
+        name: "refused",
+        db: &db,
+        handler: DepositHandler::default(),
+        concurrency: 4,
+        retry: fast_retries(),
+    };
+    let probe = Arc::new(Probe::default());
+    // The queues exist already (TestQueue); this user may not declare them.
+    let config = AmqpConfig::new(user.uri.clone(), &queue.name)
+        .prefetch(16)
+        .connection_name(unique(&queue.conn_prefix))
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .publish_timeout(Duration::from_secs(5))
+        .declare_topology(false)
+        .requeue_delay(REQUEUE);
+    let consumer = start(&spec, config, &probe, 0).await;
+    queue
+        .publish_all(&[(Some("poison".into()), "not json".into())])
+        .await;
+    const GOOD: i64 = 200;
+    let good: Vec<(Option<String>, String)> = (0..GOOD)
+        .map(|i| (Some(format!("good-{i}")), deposit(&format!("acct-{}", i % 5), 1)))
+        .collect();
+    queue.publish_all(&good).await;
+
+    let started = Instant::now();
+    loop {
+        let applied = total_balance(&db).await;
+        let refused = probe.get(&probe.settle_failed);
+        if applied == GOOD && refused >= 3 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{applied} of {GOOD} deposited and {refused} refused copies after 30 s, {} reconnects",
+            consumer.monitor.reconnects()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reconnects = consumer.monitor.reconnects();
+    consumer.stop().await;
+
+    assert_eq!(
+        reconnects, 0,
+        "a refused copy never costs the consumer's connection"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox.dead_letters").await,
+        1,
+        "recorded once, however often its copy is refused"
+    );
+    assert_eq!(queue.stats_of(&format!("{}.dlq", queue.name)).await.0, 0);
+    assert_eq!(
+        queue.ready().await,
+        1,
+        "the refused message is still in its queue"
+    );
+    drop(user);
+    queue.delete().await;
+    db.drop_db().await;
+}

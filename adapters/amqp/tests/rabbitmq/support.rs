@@ -207,6 +207,30 @@ impl TestQueue {
         }
     }
 
+    /// Publishes one persistent message with `message_id` and `headers`, and waits for its
+    /// confirm.
+    pub async fn publish_with_headers(&self, id: &str, payload: &[u8], headers: FieldTable) {
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_message_id(id.into())
+            .with_headers(headers);
+        let confirm = self
+            .channel
+            .basic_publish(
+                ShortString::default(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                payload,
+                props,
+            )
+            .await
+            .expect("publish");
+        assert!(
+            confirm.await.expect("publisher confirm").is_ack(),
+            "broker confirmed the publish of {id}"
+        );
+    }
+
     /// `(ready messages, consumers)` of `queue`, through a passive declare on a fresh channel.
     pub async fn stats_of(&self, queue: &str) -> (u32, u32) {
         let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
@@ -634,4 +658,32 @@ pub fn deposits(prefix: &str, unique: usize, dup_every: usize) -> (Vec<(Option<S
 pub async fn total_balance(db: &TestDb) -> i64 {
     db.scalar("SELECT coalesce(sum(balance), 0)::bigint FROM accounts")
         .await
+}
+
+/// A broker user of this test (`txinbox-amqp-t-…`) that may read every queue of the default
+/// vhost but neither write nor configure anything; deleted when dropped.
+pub struct ReadOnlyUser {
+    pub name: String,
+    pub uri: String,
+}
+
+impl ReadOnlyUser {
+    pub fn create() -> ReadOnlyUser {
+        let name = unique("readonly");
+        let password = format!("pw-{}", std::process::id());
+        rabbitmqctl(&["-q", "add_user", &name, &password]);
+        rabbitmqctl(&["-q", "set_permissions", "-p", "/", &name, "^$", "^$", ".*"]);
+        let url = amqp_url();
+        let uri = url.replacen("guest:guest", &format!("{name}:{password}"), 1);
+        assert_ne!(uri, url, "AMQP_URL must use guest:guest for this test");
+        ReadOnlyUser { name, uri }
+    }
+}
+
+impl Drop for ReadOnlyUser {
+    fn drop(&mut self) {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-q", "delete_user", &self.name])
+            .output();
+    }
 }

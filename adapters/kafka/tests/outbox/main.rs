@@ -700,3 +700,127 @@ async fn a_fatal_producer_error_is_survived_with_a_new_producer() {
     second.expect("a publish after a fatal producer error goes through a new producer");
     third.expect("and the failed row's retry too");
 }
+
+/// What one service's outbox publishes, another service's consumer takes with its **default**
+/// settings (a `KafkaSource` reads CloudEvents IDs): every row applied once, none dead-lettered
+/// as `missing_id`. Rows that set their own CloudEvents `type` and `source` keep them; a row
+/// header that names another ID (`ce_id` copied from an incoming event) does not replace the
+/// row's. On librdkafka's mock cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_with_default_settings_takes_the_outbox_messages_once() {
+    init_tracing();
+    let mock = Mock::start();
+    mock.topic("deposits", 3);
+    outbox_to_default_consumer(&mock.bootstrap, "deposits").await;
+}
+
+/// The same against a real Kafka-protocol broker: **needs `KAFKA_BROKERS`** (tansu), else
+/// skipped except under `CI`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_with_default_settings_takes_the_outbox_messages_once_on_a_real_broker() {
+    let Ok(brokers) = std::env::var("KAFKA_BROKERS") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "KAFKA_BROKERS must be set in CI (scripts/test sets it)"
+        );
+        eprintln!("SKIPPED: KAFKA_BROKERS is not set (source scripts/lib/tansu.sh and run ensure_tansu)");
+        return;
+    };
+    init_tracing();
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let topic = format!("outbox-default-{}-{stamp}", std::process::id());
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .expect("admin client");
+    for r in admin
+        .create_topics(
+            &[NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+        )
+        .await
+        .expect("create topic")
+    {
+        r.expect("topic created");
+    }
+    outbox_to_default_consumer(&brokers, &topic).await;
+}
+
+async fn outbox_to_default_consumer(brokers: &str, topic: &str) {
+    use txinbox::message::Headers;
+    use txinbox_testing::ledger::{deposit, DepositHandler};
+    let db = outbox_db().await;
+    const ROWS: usize = 24;
+    for i in 0..ROWS {
+        let mut headers = Headers::new();
+        if i.is_multiple_of(4) {
+            headers.insert("ce_type", "bank.deposit");
+            headers.insert("ce_source", "/bank");
+        }
+        if i.is_multiple_of(3) {
+            // Copied from the event this row answers: not the row's ID.
+            headers.insert("ce_id", "the-incoming-event");
+        }
+        let m = OutboxMessage::new(format!("evt-{i}"), topic, deposit(&format!("acct-{}", i % 3), 1))
+            .with_key(format!("acct-{}", i % 3))
+            .with_headers(headers);
+        outbox::write(&db.pool, &m).await.unwrap();
+    }
+    let relay = Relay::new(db.pool.clone(), publisher(brokers), relay_config("default", 10)).unwrap();
+    let (stop_relay, relay_stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(relay.run_until(async {
+        let _ = relay_stopped.await;
+    }));
+
+    // The consumer side sets nothing about IDs.
+    let handler = DepositHandler::default();
+    let consumer = common::Running::start(
+        &db,
+        common::kafka_config(brokers, &format!("g-default-{}", std::process::id()), topic),
+        handler.clone(),
+    );
+    let started = Instant::now();
+    loop {
+        let applied = db.applied().await;
+        if applied == ROWS as i64 {
+            break;
+        }
+        let dead: Vec<(String, String)> =
+            sqlx::query_as("SELECT coalesce(message_id, '-'), reason FROM txinbox.dead_letters LIMIT 3")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{applied} of {ROWS} outbox messages applied after 60 s; dead letters: {dead:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    consumer.stop().await;
+    let _ = stop_relay.send(());
+    relay.await.unwrap().unwrap();
+
+    let applications = db.applications().await;
+    let expected: HashMap<String, i64> = (0..ROWS).map(|i| (format!("evt-{i}"), 1)).collect();
+    assert_eq!(applications, expected, "every row applied once, under its own ID");
+    assert_eq!(db.scalar("SELECT count(*) FROM txinbox.dead_letters").await, 0);
+    for start in handler.starts() {
+        let i: usize = start.id.trim_start_matches("evt-").parse().unwrap();
+        let h = &start.headers;
+        assert_eq!(h.get_str("ce_specversion"), Some("1.0"));
+        assert_eq!(h.get_str("ce_id"), Some(start.id.as_str()));
+        let (source, kind) = if i.is_multiple_of(4) {
+            ("/bank", "bank.deposit")
+        } else {
+            (outbox::DEFAULT_SOURCE, topic)
+        };
+        assert_eq!(h.get_str("ce_source"), Some(source), "{}", start.id);
+        assert_eq!(h.get_str("ce_type"), Some(kind), "{}", start.id);
+    }
+    drop_db(db).await;
+}
