@@ -77,12 +77,13 @@ mod poller;
 mod produce;
 mod publisher;
 mod ready;
+mod retention;
 mod source;
 mod state;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, MissingPosition, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
+    KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use delivery::KafkaDelivery;
@@ -141,8 +142,16 @@ pub mod telemetry {
     pub const DEAD_LETTERS_WAITING: &str = "txinbox_kafka_dead_letters_waiting";
     /// Gauge, labels `consumer` and `topic`: partitions held because the group has a committed
     /// offset and the database no position for them
-    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)). Alert when above 0.
+    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)), or because their
+    /// database position is behind the broker's retention
+    /// ([`RetentionGap::Refuse`](crate::RetentionGap::Refuse)). Alert when above 0.
     pub const PARTITIONS_BLOCKED: &str = "txinbox_kafka_partitions_blocked";
+    /// Counter, labels `consumer`, `topic` and `partition`: offsets between a partition's
+    /// database position and the broker's low watermark, found when the partition was assigned
+    /// (or a held one got a new position): records retention deleted before the consumer
+    /// processed them ([`RetentionGap`](crate::RetentionGap)). Counted each time a gap is found,
+    /// so a held partition found again after a rebalance counts again. Alert on any increase.
+    pub const OFFSETS_DELETED_UNPROCESSED: &str = "txinbox_kafka_offsets_deleted_unprocessed_total";
     /// Gauge, labels `consumer`, `topic` and `partition`: the partition's high watermark minus
     /// the consumer's database position (the next offset its effects committed; before any,
     /// the first offset received), i.e. messages not yet processed. From librdkafka's
