@@ -43,7 +43,9 @@
 //! | crash after the database commit, before the offset commit | the restart resumes at the database position: nothing re-applied, nothing skipped |
 //! | database restored from a backup | the restart resumes where the restored database ends: the lost messages are applied again, once |
 //! | a partition the group has committed but the database has no position for (a dump taken before it was first processed, a fresh database) | by [`KafkaConfig::on_missing_position`]: held with an ERROR until a position is written (default, [`MissingPosition::Refuse`]), or from the earliest offset, or from the group's offset; never silently skipped |
-//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`) |
+//! | a database position below the broker's low watermark (retention deleted records never processed) | by [`KafkaConfig::on_retention_gap`]: ERROR naming the offsets lost, counted in [`telemetry::OFFSETS_DELETED_UNPROCESSED`], then held until another position is written (default, [`RetentionGap::Refuse`]) or started at the earliest retained offset; never `auto.offset.reset` in silence |
+//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`); a group offset of 0 starts at the earliest retained offset |
+//! | a held partition, an assignment waiting for the database, a dead-letter topic the broker says does not exist (looked up at start) | the consumer's health is not ready, with a problem naming the cause ([`txinbox::health::HealthReport::source_problems`]) |
 //! | rebalance (eager or cooperative-sticky) | revoked partitions stop, drain (bounded), commit, then move; the new owner starts at the database position |
 //! | offset commit fails (`REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION`, `_STATE`, broker down) | logged at info; the database position decides where the next owner starts |
 //! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
@@ -59,8 +61,11 @@
 //! - Lanes are whole partitions; key sub-lanes inside a partition are not implemented.
 //! - The database positions belong to the consumer *name*: two services reading one topic need
 //!   two consumer names (and two group ids).
-//! - Loading positions at assignment retries while the database is down (fail closed); if that
-//!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
+//! - Loading positions at assignment retries while the database is down (fail closed, reported
+//!   not ready); if that exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins
+//!   later.
+//! - The low watermark is compared with the database position on assignment only: a consumer
+//!   that falls behind retention while it runs gets librdkafka's `auto.offset.reset`.
 //! - `Debug` output and client-creation errors mask secret property values
 //!   ([`txinbox::redact`]).
 
