@@ -306,6 +306,12 @@ async fn positions_ops_classify_plan_and_write_only_what_was_planned() {
     assert_eq!(view(Some(40), Some(50)).status(), PositionStatus::BehindGroup);
     assert_eq!(view(Some(60), Some(50)).status(), PositionStatus::AheadOfGroup);
     assert_eq!(view(Some(5), None).status(), PositionStatus::BelowLowWatermark);
+    // The two a Kafka consumer holds (never writing their position): running members are no
+    // reason to refuse writing one.
+    assert!(view(Some(5), None).status().held_by_consumer());
+    assert!(view(None, Some(50)).status().held_by_consumer());
+    assert!(!view(Some(50), Some(50)).status().held_by_consumer());
+    assert!(!view(None, None).status().held_by_consumer());
     assert_eq!(
         view(Some(101), None).status(),
         PositionStatus::BeyondHighWatermark
