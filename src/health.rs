@@ -13,10 +13,11 @@
 //! | [`broker`](HealthReport::broker) | the source, if it reports ([`SourceHealth::set_connected`]); [`BrokerStatus::Unknown`] otherwise |
 //! | [`assigned`](HealthReport::assigned) | the source, if it reports ([`SourceHealth::set_assigned`]): Kafka partitions; `None` otherwise |
 //! | [`lanes`](HealthReport::lanes) | the runtime: per lane with unsettled deliveries (and lanes recently active or assigned), how many, the oldest one's age, the time since the lane last settled something, and whether it is **stalled**: deliveries waiting and no progress for longer than [`stall_after`](Health::stall_after) |
+//! | [`source_problems`](HealthReport::source_problems) | the source, if it reports ([`SourceHealth::set_problems`]): what keeps it from consuming that the rest does not show (Kafka: a held partition, an assignment waiting for the database, a dead-letter topic that does not exist) |
 //!
 //! [`HealthReport::is_alive`] is `false` only once the consumer stopped. [`HealthReport::is_ready`]
 //! also needs the consumer running, the database reachable, the broker not known to be
-//! disconnected and no lane stalled. A consumer with no partitions assigned (more members than
+//! disconnected, no lane stalled and no problem reported by the source. A consumer with no partitions assigned (more members than
 //! partitions, or while joining the group) is ready: not-ready would hold a rolling deployment
 //! of such standby members forever.
 //!
@@ -123,6 +124,10 @@ pub struct HealthReport {
     /// Lanes with unsettled deliveries, lanes that were recently active and assigned lanes,
     /// sorted by lane.
     pub lanes: Vec<LaneHealth>,
+    /// What the source reports keeps it from consuming ([`SourceHealth::set_problems`]), one
+    /// line each: a held partition, an assignment waiting for the database, a dead-letter
+    /// destination that does not exist. Each makes the consumer not ready.
+    pub source_problems: Vec<String>,
 }
 
 /// One lane in a [`HealthReport`].
@@ -176,6 +181,7 @@ impl HealthReport {
                 lane.since_progress.or(lane.oldest_unsettled).unwrap_or_default()
             ));
         }
+        problems.extend(self.source_problems.iter().cloned());
         problems
     }
 }
@@ -191,6 +197,8 @@ struct SourceState {
     /// 0 unknown, 1 connected, 2 disconnected.
     connected: AtomicU8,
     assigned: Mutex<Option<Vec<Arc<str>>>>,
+    /// By kind, see [`SourceHealth::set_problems`].
+    problems: Mutex<BTreeMap<String, Vec<String>>>,
 }
 
 impl fmt::Debug for SourceHealth {
@@ -219,6 +227,31 @@ impl SourceHealth {
         let mut lanes: Vec<Arc<str>> = lanes.into_iter().map(Into::into).collect();
         lanes.sort();
         *self.0.assigned.lock().unwrap() = Some(lanes);
+    }
+
+    /// Reports what keeps the source from consuming, for one `kind` of trouble (a name the
+    /// source chooses, e.g. `held-partitions`): replaces what was reported for `kind` before;
+    /// an empty list clears it. While anything is reported the consumer is not ready, and
+    /// [`HealthReport::problems`] lists each line, so each should name the cause and the way
+    /// out. Meant for what the rest of the report cannot show: a partition held on purpose, an
+    /// assignment waiting for the database, a dead-letter destination that does not exist.
+    pub fn set_problems<I, S>(&self, kind: &str, problems: I)
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let problems: Vec<String> = problems.into_iter().map(Into::into).collect();
+        let mut all = self.0.problems.lock().unwrap_or_else(|e| e.into_inner());
+        if problems.is_empty() {
+            all.remove(kind);
+        } else {
+            all.insert(kind.to_owned(), problems);
+        }
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let all = self.0.problems.lock().unwrap_or_else(|e| e.into_inner());
+        all.values().flatten().cloned().collect()
     }
 
     fn broker(&self) -> BrokerStatus {
@@ -361,6 +394,7 @@ impl State {
             broker: self.source.broker(),
             assigned: assigned.map(|a| a.iter().map(|l| l.to_string()).collect()),
             lanes,
+            source_problems: self.source.problems(),
         }
     }
 }
@@ -495,6 +529,17 @@ impl RelayState {
         self.run.store(if running { 1 } else { 2 }, Ordering::Relaxed);
     }
 
+    /// What the relay found out about the broker outside a round's publishes (see
+    /// [`Publisher::probe`](crate::outbox::Publisher::probe)).
+    pub(crate) fn set_broker(&self, status: BrokerStatus) {
+        let value = match status {
+            BrokerStatus::Unknown => 0,
+            BrokerStatus::Connected => 1,
+            BrokerStatus::Disconnected => 2,
+        };
+        self.broker.store(value, Ordering::Relaxed);
+    }
+
     /// A round ended: `Some((published, broker_unavailable))` if it reached the database.
     pub(crate) fn round(&self, ended: Option<(usize, bool)>) {
         *self.round_error.lock().unwrap() = None;
@@ -570,6 +615,43 @@ mod tests {
         state.received(&key, Instant::now());
         let report = state.report(Duration::from_secs(5));
         assert!(!lane(&report).stalled, "{report:?}");
+    }
+
+    /// What a source reports it cannot do makes the consumer not ready, each line listed; a
+    /// kind reported again replaces its lines, an empty report clears them.
+    #[test]
+    fn problems_the_source_reports_make_the_consumer_not_ready_until_cleared() {
+        let state = State::new("c".into());
+        state.set_running(true);
+        assert!(state.report(DEFAULT_STALL_AFTER).is_ready());
+        state
+            .source
+            .set_problems("held", ["t/1 held: no database position"]);
+        state
+            .source
+            .set_problems("dead-letters", ["dead-letter topic t.dlq does not exist"]);
+        let report = state.report(DEFAULT_STALL_AFTER);
+        assert!(!report.is_ready(), "{report:?}");
+        assert_eq!(
+            report.problems(),
+            [
+                "dead-letter topic t.dlq does not exist",
+                "t/1 held: no database position"
+            ]
+        );
+        state
+            .source
+            .set_problems("held", ["t/2 held: no database position"]);
+        assert_eq!(
+            state.report(DEFAULT_STALL_AFTER).source_problems,
+            [
+                "dead-letter topic t.dlq does not exist",
+                "t/2 held: no database position"
+            ]
+        );
+        state.source.set_problems("held", Vec::<String>::new());
+        state.source.set_problems("dead-letters", Vec::<String>::new());
+        assert!(state.report(DEFAULT_STALL_AFTER).is_ready());
     }
 
     #[test]

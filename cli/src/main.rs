@@ -286,7 +286,12 @@ struct PositionsAdoptArgs {
     /// The consumer's Kafka group (default: the recorded one; must agree with it).
     #[arg(long)]
     group: Option<String>,
-    /// Also overwrite partitions that have a database position.
+    /// Also overwrite partitions that have a database position (with the checks of
+    /// `positions set`: not before the retention horizon, not past records not processed yet,
+    /// not while the group has active members).
+    #[arg(long)]
+    overwrite: bool,
+    /// Write even where those checks refuse (as `positions set --force`).
     #[arg(long)]
     force: bool,
     #[command(flatten)]

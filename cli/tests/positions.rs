@@ -62,6 +62,29 @@ impl Restored {
         self.db.position(&self.consumer, &self.topic, partition).await
     }
 
+    /// Purges the consumer's inbox up to now (`--older-than 0s`): the retention horizon is now,
+    /// after every record produced so far.
+    async fn purge_up_to_now(&self) {
+        old_rows(&self.db, &self.consumer, 3, 10).await;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let purged = txinbox(
+            &self.db.url,
+            None,
+            &[
+                "--json",
+                "purge",
+                "--consumer",
+                &self.consumer,
+                "--older-than",
+                "0s",
+                "--force",
+                "--yes",
+            ],
+        )
+        .await;
+        assert_eq!(purged.ok()["consumers"][0]["deleted"], 3, "{purged:?}");
+    }
+
     fn partition<'a>(&self, report: &'a serde_json::Value, p: i64) -> &'a serde_json::Value {
         report["partitions"]
             .as_array()
@@ -124,7 +147,8 @@ async fn positions_show_reports_a_partition_missing_in_the_database() {
 }
 
 /// `positions adopt` writes the group's committed offset where the database has no position,
-/// never over an existing one unless `--force`; a dry run and an unconfirmed run write nothing.
+/// never over an existing one unless `--overwrite`; a dry run and an unconfirmed run write
+/// nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
     let Some(r) = restored(4).await else { return };
@@ -149,7 +173,8 @@ async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
     assert_eq!(r.position(0).await, Some(4), "an existing position is kept");
 
     // Partition 0 is behind the group (4 < 5): adopting counts offset 4 as done although the
-    // database has no effect of it. The plan says so before anything is written.
+    // database has no effect of it. The plan says so before anything is written, and refuses
+    // it (the check `positions set` makes) unless forced.
     let behind = r
         .run(&[
             "--json",
@@ -157,7 +182,7 @@ async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
             "adopt",
             "--partition",
             "0",
-            "--force",
+            "--overwrite",
             "--dry-run",
         ])
         .await
@@ -167,18 +192,24 @@ async fn positions_adopt_writes_the_group_offset_where_the_database_has_none() {
         warning.contains("partition 0 offsets 4..5"),
         "the records it skips are named: {behind:#}"
     );
+    let refused = r
+        .run(&["positions", "adopt", "--partition", "0", "--overwrite", "--yes"])
+        .await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert_eq!(r.position(0).await, Some(4), "a refusal writes nothing");
     r.run(&[
         "--json",
         "positions",
         "adopt",
         "--partition",
         "0",
+        "--overwrite",
         "--force",
         "--yes",
     ])
     .await
     .ok();
-    assert_eq!(r.position(0).await, Some(5), "--force overwrites");
+    assert_eq!(r.position(0).await, Some(5), "--overwrite --force overwrites");
     let show = r.run(&["--json", "positions", "show"]).await.ok();
     assert_eq!(r.partition(&show, 1)["status"], "ok", "{show:#}");
 }
@@ -275,6 +306,12 @@ async fn positions_ops_classify_plan_and_write_only_what_was_planned() {
     assert_eq!(view(Some(40), Some(50)).status(), PositionStatus::BehindGroup);
     assert_eq!(view(Some(60), Some(50)).status(), PositionStatus::AheadOfGroup);
     assert_eq!(view(Some(5), None).status(), PositionStatus::BelowLowWatermark);
+    // The two a Kafka consumer holds (never writing their position): running members are no
+    // reason to refuse writing one.
+    assert!(view(Some(5), None).status().held_by_consumer());
+    assert!(view(None, Some(50)).status().held_by_consumer());
+    assert!(!view(Some(50), Some(50)).status().held_by_consumer());
+    assert!(!view(None, None).status().held_by_consumer());
     assert_eq!(
         view(Some(101), None).status(),
         PositionStatus::BeyondHighWatermark
@@ -509,4 +546,119 @@ async fn set_to_earliest_for_a_held_partition_works_while_the_consumer_runs() {
     .await;
     running.stop().await;
     assert_eq!(db.assert_none_twice().await, 20, "every effect once");
+}
+
+/// `positions adopt --force` moved a stored position to the group's offset with none of the
+/// guards of `positions set` (issue 26, item 6): backwards past the retention horizon, it
+/// re-applied records whose inbox rows a purge had deleted. Both commands now share one check:
+/// adopt overwrites an existing position only with `--overwrite`, refused like `set` past the
+/// horizon, and `--force` writes anyway on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adopt_is_refused_past_the_retention_horizon_like_set() {
+    let Some(r) = restored(5).await else { return };
+    // Partition 1 stored ahead of the group (5 > 3): adopting moves it back over 3..5, records
+    // produced before the horizon of the purge that follows.
+    store_position(&r.db, &r.consumer, &r.topic, 1, 5).await;
+    r.purge_up_to_now().await;
+
+    let forced = r
+        .run(&["positions", "adopt", "--partition", "1", "--force", "--yes"])
+        .await;
+    assert_eq!(
+        r.position(1).await,
+        Some(5),
+        "not moved back past the retention horizon: {forced:?}"
+    );
+
+    let overwrite = r
+        .run(&["positions", "adopt", "--partition", "1", "--overwrite", "--yes"])
+        .await;
+    assert_eq!(overwrite.code, 1, "{overwrite:?}");
+    assert!(overwrite.stderr.contains("retention horizon"), "{overwrite:?}");
+    assert_eq!(r.position(1).await, Some(5), "a refusal writes nothing");
+
+    let set = r
+        .run(&["positions", "set", "--offset", "3", "--partition", "1", "--yes"])
+        .await;
+    assert_eq!(set.code, 1, "{set:?}");
+    assert!(
+        set.stderr.contains("retention horizon"),
+        "the same check: {set:?}"
+    );
+
+    let done = r
+        .run(&[
+            "--json",
+            "positions",
+            "adopt",
+            "--partition",
+            "1",
+            "--overwrite",
+            "--force",
+            "--yes",
+        ])
+        .await
+        .ok();
+    assert!(
+        done["warnings"][0]
+            .as_str()
+            .unwrap_or_default()
+            .contains("retention horizon"),
+        "forced on purpose, with the reason as a warning: {done:#}"
+    );
+    assert_eq!(r.position(1).await, Some(3));
+}
+
+/// `positions adopt` refuses, like `positions set`, to overwrite the position of a partition a
+/// running member holds: the consumer overwrites it with its own progress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adopt_is_refused_while_the_group_has_active_members_like_set() {
+    let Some(brokers) = brokers() else { return };
+    let (db, topic, consumer, _) = processed_then_restored(&brokers).await;
+    let running = Running::start(&db, &brokers, &consumer, &topic);
+    // One more record on partition 0: once its position is 11, the member consumes it.
+    Producer::new(&brokers).deposits(&topic, 0, "c", 1).await;
+    db.wait_for(
+        &format!("SELECT next_position FROM txinbox.positions WHERE consumer = '{consumer}' AND lane = '0'"),
+        11,
+        std::time::Duration::from_secs(60),
+    )
+    .await;
+    // Stored behind the group's offset while the member is idle.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    store_position(&db, &consumer, &topic, 0, 9).await;
+    let run = |extra: &'static [&'static str]| {
+        let args: Vec<&str> = [
+            &[
+                "positions",
+                "adopt",
+                "--consumer",
+                consumer.as_str(),
+                "--topic",
+                topic.as_str(),
+                "--partition",
+                "0",
+                "--yes",
+            ][..],
+            extra,
+        ]
+        .concat();
+        let (url, brokers) = (db.url.clone(), brokers.clone());
+        let args: Vec<String> = args.into_iter().map(str::to_owned).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            txinbox(&url, Some(&brokers), &args).await
+        }
+    };
+    let forced = run(&["--force"]).await;
+    assert_eq!(
+        db.position(&consumer, &topic, 0).await,
+        Some(9),
+        "not overwritten under a running member: {forced:?}"
+    );
+    let overwrite = run(&["--overwrite"]).await;
+    assert_eq!(overwrite.code, 1, "{overwrite:?}");
+    assert!(overwrite.stderr.contains("active member"), "{overwrite:?}");
+    assert_eq!(db.position(&consumer, &topic, 0).await, Some(9));
+    running.stop().await;
 }

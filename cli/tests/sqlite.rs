@@ -735,3 +735,72 @@ async fn positions_on_sqlite_show_adopt_set_and_rebind() {
         1
     );
 }
+
+/// As on PostgreSQL (`positions.rs`): `positions adopt` does not move a stored position back
+/// past the retention horizon unless forced, with the check `positions set` makes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adopt_on_sqlite_is_refused_past_the_retention_horizon_like_set() {
+    let Some(brokers) = brokers() else { return };
+    let topic = create_topic(&brokers, 1).await;
+    let group = format!("{topic}-grp");
+    let db = SqliteDb::new().await;
+    let lite = Side::Lite(&db);
+    Producer::new(&brokers).deposits(&topic, 0, "h", 5).await;
+    commit_group(&brokers, &group, &topic, &[(0, 3)]);
+    db.exec(&format!(
+        "INSERT INTO txinbox_subscriptions (consumer, source_system, source, subscription)
+         VALUES ('{CONSUMER}', 'kafka', '{topic}', '{group}')"
+    ))
+    .await;
+    db.exec(&format!(
+        "INSERT INTO txinbox_positions (consumer, source, lane, next_position) VALUES ('{CONSUMER}', '{topic}', '0', 5)"
+    ))
+    .await;
+    for i in 0..3 {
+        db.exec(&format!(
+            "INSERT INTO txinbox_inbox (consumer, message_id, id_strategy, fingerprint, status, attempts,
+                                        first_seen_at, processed_at, source_system, destination)
+             VALUES ('{CONSUMER}', 'old-{i}', 'cloudevents', {fp}, 'processed', 1, {at}, {at}, 'kafka', 't')",
+            fp = lite.bytes32("07"),
+            at = lite.ago(10),
+        ))
+        .await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let purged = lite
+        .run(
+            None,
+            &[
+                "--json",
+                "purge",
+                "--consumer",
+                CONSUMER,
+                "--older-than",
+                "0s",
+                "--force",
+                "--yes",
+            ],
+        )
+        .await;
+    assert_eq!(purged.ok()["consumers"][0]["deleted"], 3, "{purged:?}");
+    let position = || db.scalar("SELECT next_position FROM txinbox_positions WHERE lane = '0'");
+    let target = ["--consumer", CONSUMER, "--topic", topic.as_str()];
+    let run = |args: &'static [&'static str]| {
+        let all: Vec<String> = args.iter().chain(&target).map(|a| a.to_string()).collect();
+        let brokers = brokers.clone();
+        async move {
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            lite.run(Some(&brokers), &all).await
+        }
+    };
+
+    let forced = run(&["positions", "adopt", "--force", "--yes"]).await;
+    assert_eq!(position().await, 5, "not moved back past the horizon: {forced:?}");
+    let overwrite = run(&["positions", "adopt", "--overwrite", "--yes"]).await;
+    assert_eq!(overwrite.code, 1, "{overwrite:?}");
+    assert!(overwrite.stderr.contains("retention horizon"), "{overwrite:?}");
+    let set = run(&["positions", "set", "--offset", "3", "--partition", "0", "--yes"]).await;
+    assert_eq!(set.code, 1, "{set:?}");
+    assert!(set.stderr.contains("retention horizon"), "{set:?}");
+    assert_eq!(position().await, 5, "a refusal writes nothing");
+}

@@ -191,7 +191,8 @@ pub enum PositionStatus {
     /// Neither: the consumer starts by `auto.offset.reset`.
     Unstarted,
     /// Stored below the low watermark: the records in between were deleted by the broker
-    /// before the consumer processed them.
+    /// before the consumer processed them. A Kafka consumer holds the partition (by default:
+    /// `RetentionGap::Refuse`) until another position is written.
     BelowLowWatermark,
     /// Stored beyond the high watermark (topic recreated or truncated?).
     BeyondHighWatermark,
@@ -222,12 +223,27 @@ impl PositionStatus {
             PositionStatus::MissingInDb => {
                 "would be refused: run `txinbox positions adopt` or `txinbox positions set --to-earliest`"
             }
-            PositionStatus::Unstarted => "starts by auto.offset.reset",
+            PositionStatus::Unstarted => {
+                "starts at the group's offset 0 if it committed one, else by auto.offset.reset"
+            }
             PositionStatus::BelowLowWatermark => {
-                "records before the low watermark were deleted by the broker unprocessed"
+                "would be held: records before the low watermark were deleted by the broker unprocessed; `txinbox positions set --to-earliest` accepts the gap"
             }
             PositionStatus::BeyondHighWatermark => "beyond the end of the partition",
         }
+    }
+}
+
+impl PositionStatus {
+    /// Whether a Kafka consumer holds such a partition with its default policies
+    /// (`MissingPosition::Refuse`, `RetentionGap::Refuse`): assigned but paused, its database
+    /// position never written by the consumer, until an operator writes one (which it picks up
+    /// within seconds). Running members are therefore no reason to refuse writing it.
+    pub fn held_by_consumer(self) -> bool {
+        matches!(
+            self,
+            PositionStatus::MissingInDb | PositionStatus::BelowLowWatermark
+        )
     }
 }
 

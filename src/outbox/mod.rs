@@ -491,6 +491,18 @@ impl std::error::Error for PublishError {
 pub trait Publisher: Send + Sync + 'static {
     /// Publishes `message` and waits for the broker's confirmation.
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError>;
+
+    /// Whether the broker would take a publish now, found out without publishing anything
+    /// (Kafka: a metadata request). `None`: this publisher cannot tell (the default).
+    ///
+    /// The relay asks only while it reports the broker unavailable and a round had no row of
+    /// its own to try (with several relays, another one may take every new row): without an
+    /// answer it could only keep reporting the outage until it had a row again. It reports
+    /// `Some(Ok(()))` as connected and `None` as unknown (no evidence either way). Bound the
+    /// wait below the relay's `publish_timeout`.
+    async fn probe(&self) -> Option<Result<(), PublishError>> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -75,3 +75,53 @@ async fn relay_health_follows_the_broker() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
 }
+
+/// With several relays, one that took the broker as unavailable may never get a row of its own
+/// again (another relay takes them all). A publisher that cannot tell whether the broker is back
+/// (no `Publisher::probe`) puts that relay's report back to unknown, so it does not report an
+/// outage it has no evidence of any more (issue 26, item 4; Kafka's publisher answers the probe:
+/// `txinbox-kafka`'s outbox tests).
+#[tokio::test]
+async fn a_relay_without_rows_of_its_own_stops_reporting_an_outage_it_cannot_see() {
+    use txinbox::health::BrokerStatus;
+    let pool = test_db().await;
+    let down = Recorder::default();
+    for k in 0..6 {
+        let id = format!("k{k}-0");
+        outbox::write(
+            &pool,
+            &OutboxMessage::new(&id, "t", "x").with_key(format!("k{k}")),
+        )
+        .await
+        .unwrap();
+        down.failing.lock().unwrap().insert(id, Failure::Times(u32::MAX));
+    }
+    let config = || txinbox::outbox::RelayConfig::default().poll_interval(Duration::from_millis(50));
+    let relay_a = Relay::new(pool.clone(), down, config()).unwrap();
+    let health = relay_a.health();
+    let spawn = |relay: Relay<Recorder>| {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(relay.run_until(async {
+            let _ = stopped.await;
+        }));
+        (stop, task)
+    };
+    let (stop_a, task_a) = spawn(relay_a);
+    wait_relay(&health, Duration::from_secs(10), "A reports the outage", |r| {
+        r.broker == BrokerStatus::Disconnected
+    })
+    .await;
+    let (stop_b, task_b) = spawn(Relay::new(pool.clone(), Recorder::default(), config()).unwrap());
+    wait_relay(
+        &health,
+        Duration::from_secs(60),
+        "A, with nothing left to publish, no longer reports an outage",
+        |r| r.broker == BrokerStatus::Unknown && r.is_ready(),
+    )
+    .await;
+    assert_eq!(status_counts(&pool).await.get("published"), Some(&6));
+    let _ = stop_a.send(());
+    let _ = stop_b.send(());
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+}

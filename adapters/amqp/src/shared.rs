@@ -21,9 +21,37 @@ pub(crate) struct Shared {
     pub(crate) monitor: AmqpMonitor,
     /// Where the connection state is reported, once the consumer attached it.
     pub(crate) health: std::sync::OnceLock<txinbox::health::SourceHealth>,
+    /// Queues copies go to that the broker says do not exist (with `declare_topology(false)`),
+    /// one problem line each; reported to the health once it is attached.
+    pub(crate) missing_queues: std::sync::Mutex<Vec<String>>,
 }
 
+/// The kind of problem the source reports for missing copy queues
+/// ([`SourceHealth::set_problems`](txinbox::health::SourceHealth::set_problems)).
+const MISSING_QUEUES: &str = "amqp-missing-queues";
+
 impl Shared {
+    /// The problem lines of missing copy queues now.
+    pub(crate) fn missing_queues(&self) -> Vec<String> {
+        self.missing_queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records the missing copy queues and reports them to the health, if attached.
+    pub(crate) fn set_missing_queues(&self, lines: Vec<String>) {
+        *self.missing_queues.lock().unwrap_or_else(|e| e.into_inner()) = lines;
+        self.report_missing_queues();
+    }
+
+    /// Reports the missing copy queues to the health, if attached.
+    pub(crate) fn report_missing_queues(&self) {
+        if let Some(health) = self.health.get() {
+            health.set_problems(MISSING_QUEUES, self.missing_queues());
+        }
+    }
+
     pub(crate) fn counter(
         &self,
         name: &'static str,

@@ -32,6 +32,8 @@ const STATUS_CHECK: Duration = Duration::from_millis(500);
 const DEPTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Longest wait for a graceful `basic.cancel` / `channel.close` / `connection.close`.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often copy queues the broker said do not exist are looked up again.
+const MISSING_QUEUE_RECHECK: Duration = Duration::from_secs(10);
 
 /// A RabbitMQ queue consumer for a txinbox [`Consumer`](txinbox::Consumer).
 ///
@@ -81,6 +83,7 @@ impl AmqpSource {
             requeue_delay: config.requeue_delay,
             monitor: AmqpMonitor::default(),
             health: std::sync::OnceLock::new(),
+            missing_queues: std::sync::Mutex::new(Vec::new()),
         });
         let tag = config.consumer_tag.clone().unwrap_or_else(|| {
             format!(
@@ -141,6 +144,7 @@ impl MessageSource for AmqpSource {
     fn attach_health(&mut self, health: txinbox::health::SourceHealth) {
         health.set_connected(self.shared.monitor.is_connected());
         let _ = self.shared.health.set(health);
+        self.shared.report_missing_queues();
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -265,6 +269,7 @@ impl Supervisor {
         };
         let mut check = tokio::time::interval(STATUS_CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut queues_checked: Option<Instant> = None;
         loop {
             tokio::select! {
                 biased;
@@ -289,6 +294,14 @@ impl Supervisor {
                     }
                     if !session.generation.channel.status().connected() {
                         return End::Lost("channel closed".into());
+                    }
+                    // Once per connection, then while one is missing.
+                    let due = queues_checked.is_none_or(|at| {
+                        at.elapsed() >= MISSING_QUEUE_RECHECK && !self.shared.missing_queues().is_empty()
+                    });
+                    if !self.config.declare_topology && due {
+                        self.check_copy_queues(&session.conn).await;
+                        queues_checked = Some(Instant::now());
                     }
                 }
             }
@@ -388,6 +401,40 @@ impl Supervisor {
             depth,
             consumer,
         })
+    }
+
+    /// With `declare_topology(false)` the queues copies go to (dead letters, retries) are
+    /// declared elsewhere. A passive declare of each asks the broker whether it exists: a
+    /// missing one is an ERROR and a problem in the consumer's health (not ready), because a
+    /// message whose copy must go there is unroutable, so it is not acknowledged and comes back
+    /// until the queue exists. A queue that could not be asked keeps what was said of it.
+    async fn check_copy_queues(&self, conn: &Connection) {
+        let before = self.shared.missing_queues();
+        let mut lines = Vec::new();
+        for (queue, what) in [
+            (&self.shared.dead_letter_queue, "dead-letter"),
+            (&self.shared.retry_queue, "retry"),
+        ] {
+            let line = format!(
+                "{what} queue {queue:?} (for messages of {}) does not exist, says the broker, and declare_topology is off: a message whose {what} copy must go there is not acknowledged and comes back until it does; declare it, or turn declare_topology on",
+                self.shared.queue
+            );
+            match queue_exists(conn, queue).await {
+                Some(true) => {}
+                Some(false) => {
+                    if !before.contains(&line) {
+                        tracing::error!(queue = %queue, "{line}");
+                    }
+                    lines.push(line);
+                }
+                None if before.contains(&line) => lines.push(line),
+                None => {}
+            }
+        }
+        if !before.is_empty() && lines.is_empty() {
+            tracing::info!(queue = %self.shared.queue, "the copy queues exist now");
+        }
+        self.shared.set_missing_queues(lines);
     }
 
     async fn subscribe(&self, conn: &Connection) -> Result<(Channel, lapin::Consumer), AmqpError> {
@@ -493,6 +540,36 @@ async fn report_depth(
             }
             Err(_) => tracing::debug!(%queue, "reading the queue depth timed out"),
         }
+    }
+}
+
+/// Whether `queue` exists, by a passive `queue.declare` on a channel of its own (a missing
+/// queue closes the channel); `None` when the broker could not be asked.
+async fn queue_exists(conn: &Connection, queue: &ShortString) -> Option<bool> {
+    let channel = conn.create_channel().await.ok()?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = tokio::time::timeout(
+        CLOSE_TIMEOUT,
+        channel.queue_declare(queue.clone(), passive, FieldTable::default()),
+    )
+    .await
+    .ok()?;
+    match declared {
+        Ok(_) => {
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "checked".into())).await;
+            Some(true)
+        }
+        Err(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp)
+                if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)) =>
+            {
+                Some(false)
+            }
+            _ => None,
+        },
     }
 }
 

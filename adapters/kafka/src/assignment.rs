@@ -1,6 +1,7 @@
 //! Rebalances, on the poller thread: where assigned partitions start (database position, group
-//! offset, [`MissingPosition`]), how revoked ones drain and commit, and how partitions held for
-//! a missing database position are released once one appears.
+//! offset, [`MissingPosition`], a database position behind the broker's retention: see
+//! `retention`), how revoked ones drain and commit, and how held partitions are released once
+//! a (new) database position appears.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -16,9 +17,10 @@ use txinbox::store::StoreError;
 
 use crate::config::MissingPosition;
 use crate::poller::PollerContext;
-use crate::state::{Shared, State};
+use crate::retention::{self, Start};
+use crate::state::{problem, Shared, State};
 use crate::telemetry;
-use crate::tracker::Partition;
+use crate::tracker::{Hold, Partition};
 
 /// How long one attempt to load database positions may take during an assignment.
 const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
@@ -28,6 +30,11 @@ const BLOCKED_RECHECK: Duration = Duration::from_secs(2);
 const STORE_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 /// How long one attempt to read the group's committed offsets may take during an assignment.
 const COMMITTED_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long reading a partition's low watermark may take during an assignment.
+const WATERMARK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long reading a held partition's low watermark may take when it is checked again (on the
+/// poller thread, between polls).
+const RECHECK_WATERMARK_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl PollerContext {
     pub(crate) fn rebalance_inner(
@@ -122,7 +129,11 @@ impl PollerContext {
                 }
             }
         }
-        let blocked = self.without_position(consumer, &mut tpl, &starts);
+        let mut blocked = self.without_position(consumer, &mut tpl, &starts);
+        // Partitions whose database position is behind the broker's retention: held, or started
+        // at the earliest retained offset (`None`); either way not at the database position.
+        let gaps = self.behind_retention(consumer, &mut tpl, &starts);
+        blocked.extend(gaps.iter().filter_map(|(k, hold)| Some((k.clone(), (*hold)?))));
         let assigned: Vec<String> = tpl
             .elements()
             .iter()
@@ -139,14 +150,15 @@ impl PollerContext {
                 let epoch = state.next_epoch;
                 let topic: Arc<str> = e.topic().into();
                 let mut partition = Partition::new(epoch, topic.clone(), e.partition());
-                if let Some(next) = starts.get(&(e.topic().to_owned(), e.partition())) {
+                let key = (e.topic().to_owned(), e.partition());
+                if let Some(next) = starts.get(&key).filter(|_| !gaps.contains_key(&key)) {
                     // Everything below the database position is done: store it for the group
                     // commit at once, so the group's offset catches up after a crash between
                     // the database commit and the offset commit even if nothing new arrives.
                     partition.start_at(*next);
                 }
-                if let Some(group_offset) = blocked.get(&(e.topic().to_owned(), e.partition())) {
-                    partition.blocked = Some(*group_offset);
+                if let Some(why) = blocked.get(&key) {
+                    partition.blocked = Some(*why);
                     state.set_blocked(&partition, true);
                     hold.add_partition(e.topic(), e.partition());
                 }
@@ -169,21 +181,57 @@ impl PollerContext {
             tracing::warn!(error = %e, "assigning partitions failed");
         }
         // Paused partitions stay paused across reassignment: start every new one resumed,
-        // except those held for a missing database position.
+        // except those held (no database position, or one behind the broker's retention).
         if let Err(e) = consumer.resume(&tpl) {
             tracing::debug!(error = %e, "resuming newly assigned partitions failed");
         }
         if hold.count() > 0 {
             if let Err(e) = consumer.pause(&hold) {
-                tracing::warn!(error = %e, "pausing partitions without a database position failed; their messages are dropped until they have one");
+                tracing::warn!(error = %e, "pausing held partitions failed; their messages are dropped until they are released");
             }
         }
         tracing::info!(
             partitions = ?assigned,
             from_database = ?from_db,
             held = hold.count(),
-            "partitions assigned (those without a database position: see on_missing_position)"
+            "partitions assigned (those without a database position: see on_missing_position; behind the broker's retention: see on_retention_gap)"
         );
+    }
+
+    /// Compares the database position of every partition of `tpl` that starts from one with
+    /// the broker's low watermark ([`retention::check`]). Returns those that do not start
+    /// there: held ones with their [`Hold`] (their start in `tpl` is the earliest offset, never
+    /// used while they are paused), and `None` for those that start at the earliest retained
+    /// offset ([`RetentionGap::Earliest`](crate::RetentionGap::Earliest)).
+    fn behind_retention(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        tpl: &mut TopicPartitionList,
+        starts: &HashMap<(String, i32), i64>,
+    ) -> HashMap<(String, i32), Option<Hold>> {
+        let mut gaps = HashMap::new();
+        for ((topic, partition), position) in starts {
+            if tpl.find_partition(topic, *partition).is_none() {
+                continue;
+            }
+            let hold = match retention::check(
+                consumer,
+                &self.shared,
+                topic,
+                *partition,
+                *position,
+                WATERMARK_TIMEOUT,
+            ) {
+                Start::Position => continue,
+                Start::Hold(hold) => Some(hold),
+                Start::Earliest => None,
+            };
+            if let Err(e) = tpl.set_partition_offset(topic, *partition, Offset::Beginning) {
+                tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
+            }
+            gaps.insert((topic.clone(), *partition), hold);
+        }
+        gaps
     }
 
     /// Decides where the partitions of `tpl` without a database position start, by
@@ -196,7 +244,7 @@ impl PollerContext {
         consumer: &BaseConsumer<Self>,
         tpl: &mut TopicPartitionList,
         starts: &HashMap<(String, i32), i64>,
-    ) -> HashMap<(String, i32), Option<i64>> {
+    ) -> HashMap<(String, i32), Hold> {
         let config = &self.shared.config;
         let policy = config.on_missing_position;
         let mut missing = TopicPartitionList::new();
@@ -224,10 +272,13 @@ impl PollerContext {
                 .as_ref()
                 .and_then(|c| c.get(&(topic.to_owned(), partition)))
             {
-                // Nothing the group passed: auto.offset.reset applies, as it always did, set
-                // here rather than left to librdkafka's own later fetch of the group's offset.
-                Some(None) => {
-                    if let Err(e) = tpl.set_partition_offset(topic, partition, config.reset_offset()) {
+                // Nothing the group passed: it starts where the group is (offset 0: the
+                // earliest retained offset), or with no group offset at auto.offset.reset, as
+                // it always did, set here rather than left to librdkafka's own later fetch.
+                Some(committed @ (None | Some(0))) => {
+                    if let Err(e) =
+                        tpl.set_partition_offset(topic, partition, start_without_position(*committed, config))
+                    {
                         tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
                     }
                     continue;
@@ -268,7 +319,10 @@ impl PollerContext {
                     if let Err(e) = tpl.set_partition_offset(topic, partition, start) {
                         tracing::warn!(%topic, partition, error = %e, "could not set a start offset");
                     }
-                    blocked.insert((topic.to_owned(), partition), group_offset);
+                    blocked.insert(
+                        (topic.to_owned(), partition),
+                        Hold::MissingPosition { group_offset },
+                    );
                 }
             }
         }
@@ -303,8 +357,9 @@ impl PollerContext {
                             })
                             .map(|e| {
                                 let offset = match e.offset() {
-                                    // A group offset of 0 passed nothing.
-                                    Offset::Offset(o) if o > 0 => Some(o),
+                                    // 0 is an offset the group committed (it passed nothing,
+                                    // but it is at the start), not the absence of one.
+                                    Offset::Offset(o) if o >= 0 => Some(o),
                                     _ => None,
                                 };
                                 ((e.topic().to_owned(), e.partition()), offset)
@@ -433,7 +488,12 @@ impl PollerContext {
             let started = Instant::now();
             let error = loop {
                 match rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok(Ok(value)) => return Some(value),
+                    Ok(Ok(value)) => {
+                        if failures > 0 {
+                            self.shared.set_problems(problem::ASSIGNMENT, Vec::new());
+                        }
+                        return Some(value);
+                    }
                     Ok(Err(e)) => break e.to_string(),
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) if started.elapsed() < LOAD_TIMEOUT => {
                         if self.shared.stopping() {
@@ -445,6 +505,14 @@ impl PollerContext {
             };
             failures += 1;
             let delay = STORE_BACKOFF.ceiling(failures);
+            // The rebalance callback waits here, so nothing of the group's assignment is
+            // consumed: not ready, and the report says why.
+            self.shared.set_problems(
+                problem::ASSIGNMENT,
+                vec![format!(
+                    "Kafka assignment waits for the inbox database: {what} for topic {topic} failed ({error}); no partition is consumed until it succeeds (retried, fail closed)"
+                )],
+            );
             tracing::warn!(
                 %topic,
                 %error,
@@ -481,6 +549,7 @@ impl Recheck {
                             }
                         }
                     }
+                    shared.report_held();
                 }
                 Err(std::sync::mpsc::TryRecvError::Empty) => return,
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => self.pending = None,
@@ -491,6 +560,7 @@ impl Recheck {
         }
         self.last = Some(Instant::now());
         recheck_unknown_group_offsets(consumer, shared);
+        shared.report_held();
         let blocked = shared.lock().blocked();
         if blocked.is_empty() {
             return;
@@ -518,12 +588,24 @@ impl Recheck {
     }
 }
 
+/// Where a partition without a database position starts when the group has passed nothing of
+/// it: at the group's offset 0 (the earliest retained offset: records retention deleted before
+/// anyone read them are not this consumer's gap), or with no group offset at all by
+/// `auto.offset.reset`.
+fn start_without_position(group_offset: Option<i64>, config: &crate::KafkaConfig) -> Offset {
+    match group_offset {
+        Some(_) => Offset::Beginning,
+        None => config.reset_offset(),
+    }
+}
+
 /// Reads the group's committed offsets of partitions blocked because they could not be read
 /// (a coordinator still loading, brokers rolling). Where the group has passed nothing, there
-/// was nothing to refuse: the partition starts at `auto.offset.reset`. Where it has, the
-/// partition stays held with that offset. On the poller thread, with a short timeout, only
-/// while such partitions exist.
+/// was nothing to refuse: the partition starts where the group is (offset 0) or at
+/// `auto.offset.reset` (no offset). Where it has, the partition stays held with that offset.
+/// On the poller thread, with a short timeout, only while such partitions exist.
 fn recheck_unknown_group_offsets(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
+    let unknown_offset = Some(Hold::MissingPosition { group_offset: None });
     let unknown: Vec<(Arc<str>, i32)> = {
         let state = shared.lock();
         state
@@ -531,7 +613,7 @@ fn recheck_unknown_group_offsets(consumer: &BaseConsumer<PollerContext>, shared:
             .iter()
             .flat_map(|(t, ps)| {
                 ps.iter()
-                    .filter(|(_, p)| p.blocked == Some(None) && !p.revoking)
+                    .filter(|(_, p)| p.blocked == unknown_offset && !p.revoking)
                     .map(move |(n, _)| (t.clone(), *n))
             })
             .collect()
@@ -555,44 +637,37 @@ fn recheck_unknown_group_offsets(consumer: &BaseConsumer<PollerContext>, shared:
             continue;
         }
         let (topic, partition) = (e.topic(), e.partition());
-        match e.offset() {
+        let group_offset = match e.offset() {
             Offset::Offset(o) if o > 0 => {
                 let mut state = shared.lock();
                 if let Some(p) = state
                     .get_mut(topic, partition)
-                    .filter(|p| p.blocked == Some(None))
+                    .filter(|p| p.blocked == unknown_offset)
                 {
-                    p.blocked = Some(Some(o));
+                    p.blocked = Some(Hold::MissingPosition {
+                        group_offset: Some(o),
+                    });
                     tracing::error!(%topic, partition, group_offset = o, "held partition: the group's committed offset is {o} and the database has no position (see the earlier error for the ways out)");
                 }
+                continue;
             }
-            _ => {
-                let reset = shared.config.reset_offset();
-                if let Err(error) = consumer.seek(topic, partition, reset, Duration::from_secs(5)) {
-                    tracing::info!(%topic, partition, %error, "starting a released partition at auto.offset.reset failed; trying again");
-                    continue;
-                }
-                {
-                    let mut state = shared.lock();
-                    let Some(p) = state.get_mut(topic, partition) else {
-                        continue;
-                    };
-                    if p.blocked.take().is_some() {
-                        state.count_blocked(topic, false);
-                    }
-                }
-                let mut one = TopicPartitionList::new();
-                one.add_partition(topic, partition);
-                if let Err(error) = consumer.resume(&one) {
-                    tracing::warn!(%topic, partition, %error, "resuming a released partition failed");
-                }
-                tracing::warn!(%topic, partition, "the group has passed nothing of this held partition after all: consuming it from auto.offset.reset");
-            }
+            Offset::Offset(0) => Some(0),
+            _ => None,
+        };
+        let start = start_without_position(group_offset, &shared.config);
+        if let Err(error) = consumer.seek(topic, partition, start, Duration::from_secs(5)) {
+            tracing::info!(%topic, partition, %error, "starting a released partition failed; trying again");
+            continue;
         }
+        unblock(consumer, shared, topic, partition, None);
+        tracing::warn!(%topic, partition, ?start, "the group has passed nothing of this held partition after all: consuming it from {start:?}");
     }
 }
 
-/// Starts the blocked partitions of `topic` that now have a database position there.
+/// Starts the blocked partitions of `topic` that now have a usable database position there:
+/// one that appeared for a partition held without one, or another one for a partition held
+/// behind the broker's retention. Each new position is checked against the low watermark
+/// first ([`retention::check`]).
 fn release(
     consumer: &BaseConsumer<PollerContext>,
     shared: &Shared,
@@ -603,37 +678,83 @@ fn release(
         let Ok(partition) = lane.parse::<i32>() else {
             continue;
         };
-        if !shared
+        let hold = shared
             .lock()
             .get_mut(topic, partition)
-            .is_some_and(|p| p.blocked.is_some() && !p.revoking)
-        {
+            .filter(|p| !p.revoking)
+            .and_then(|p| p.blocked);
+        let Some(hold) = hold else {
             continue;
-        }
-        if let Err(e) = consumer.seek(topic, partition, Offset::Offset(*next), Duration::from_secs(5)) {
-            tracing::info!(%topic, partition, error = %e, "starting a released partition at its database position failed; trying again");
-            continue;
-        }
+        };
+        if let Hold::BehindRetention {
+            position,
+            low: Some(_),
+        } = hold
         {
-            let mut state = shared.lock();
-            let Some(p) = state.get_mut(topic, partition) else {
-                continue;
-            };
-            p.start_at(*next);
-            if p.blocked.take().is_some() {
-                state.count_blocked(topic, false);
+            if position == *next {
+                continue; // the same position, still behind: nothing new to decide
             }
         }
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition(topic, partition);
-        if let Err(e) = consumer.resume(&tpl) {
-            tracing::warn!(%topic, partition, error = %e, "resuming a released partition failed");
+        let start = match retention::check(
+            consumer,
+            shared,
+            topic,
+            partition,
+            *next,
+            RECHECK_WATERMARK_TIMEOUT,
+        ) {
+            Start::Position => Offset::Offset(*next),
+            Start::Earliest => Offset::Beginning,
+            Start::Hold(again) => {
+                if let Some(p) = shared.lock().get_mut(topic, partition) {
+                    p.blocked = Some(again);
+                }
+                continue;
+            }
+        };
+        if let Err(e) = consumer.seek(topic, partition, start, Duration::from_secs(5)) {
+            tracing::info!(%topic, partition, error = %e, "starting a released partition failed; trying again");
+            continue;
         }
+        let at = match start {
+            Offset::Offset(next) => Some(next),
+            _ => None,
+        };
+        unblock(consumer, shared, topic, partition, at);
         tracing::warn!(
             %topic,
             partition,
             next,
-            "a database position appeared for a blocked partition: consuming it from there"
+            ?start,
+            "a database position appeared for a held partition: consuming it from {start:?}"
         );
+    }
+}
+
+/// Ends the hold of `topic`/`partition` after its consumer was sought to where it starts
+/// (`at`: a database position everything below which is done) and resumes it.
+fn unblock(
+    consumer: &BaseConsumer<PollerContext>,
+    shared: &Shared,
+    topic: &str,
+    partition: i32,
+    at: Option<i64>,
+) {
+    {
+        let mut state = shared.lock();
+        let Some(p) = state.get_mut(topic, partition) else {
+            return;
+        };
+        if let Some(next) = at {
+            p.start_at(next);
+        }
+        if p.blocked.take().is_some() {
+            state.count_blocked(topic, false);
+        }
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    if let Err(e) = consumer.resume(&tpl) {
+        tracing::warn!(%topic, partition, error = %e, "resuming a released partition failed");
     }
 }

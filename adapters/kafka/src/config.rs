@@ -70,6 +70,7 @@ pub struct KafkaConfig {
     pub(crate) properties: BTreeMap<String, String>,
     pub(crate) producer_properties: BTreeMap<String, String>,
     pub(crate) on_missing_position: MissingPosition,
+    pub(crate) on_retention_gap: RetentionGap,
 }
 
 /// Where a partition starts when the database has no position for it but the consumer group
@@ -127,6 +128,58 @@ impl std::str::FromStr for MissingPosition {
     }
 }
 
+/// What a partition does when its database position is below the broker's low watermark
+/// ([`KafkaConfig::on_retention_gap`]): retention deleted records the consumer never processed.
+///
+/// It happens after a database restore, or when a consumer stayed stopped (or fell behind)
+/// longer than the topic's retention. Seeking to the database position would then be answered
+/// by librdkafka's `auto.offset.reset`: with `latest` everything retained is skipped, with
+/// `earliest` the deleted range is lost, both without a word. The consumer compares the two on
+/// every assignment and never lets that happen silently: it logs an ERROR naming the
+/// partition, the position, the low watermark and how many offsets were deleted unprocessed,
+/// and counts them in
+/// [`txinbox_kafka_offsets_deleted_unprocessed_total`](crate::telemetry::OFFSETS_DELETED_UNPROCESSED).
+/// What it then does is this choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RetentionGap {
+    /// Do not consume the partition: it is assigned but held paused, the health report names
+    /// it (not ready), and the gauge
+    /// [`txinbox_kafka_partitions_blocked`](crate::telemetry::PARTITIONS_BLOCKED) counts it.
+    /// The source re-reads the database every 2 s: once another position is written (`txinbox
+    /// positions set --to-earliest` accepts the gap), the partition starts there without a
+    /// restart. The default.
+    #[default]
+    Refuse,
+    /// Start at the earliest retained offset, accepting the gap: the deleted records' effects
+    /// are lost. The ERROR and the counter still record it; the consumer stays ready.
+    Earliest,
+}
+
+impl fmt::Display for RetentionGap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RetentionGap::Refuse => "refuse",
+            RetentionGap::Earliest => "earliest",
+        })
+    }
+}
+
+impl std::str::FromStr for RetentionGap {
+    type Err = String;
+
+    /// `refuse` or `earliest`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "refuse" => Ok(RetentionGap::Refuse),
+            "earliest" => Ok(RetentionGap::Earliest),
+            other => Err(format!(
+                "unknown retention-gap policy {other:?}: use refuse or earliest"
+            )),
+        }
+    }
+}
+
 impl fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaConfig")
@@ -139,6 +192,7 @@ impl fmt::Debug for KafkaConfig {
             .field("close_timeout", &self.close_timeout)
             .field("dead_letter_timeout", &self.dead_letter_timeout)
             .field("on_missing_position", &self.on_missing_position)
+            .field("on_retention_gap", &self.on_retention_gap)
             .field("properties", &Properties(&self.properties))
             .field("producer_properties", &Properties(&self.producer_properties))
             .finish()
@@ -196,6 +250,7 @@ impl KafkaConfig {
             properties: BTreeMap::new(),
             producer_properties: BTreeMap::new(),
             on_missing_position: MissingPosition::default(),
+            on_retention_gap: RetentionGap::default(),
         }
     }
 
@@ -205,6 +260,16 @@ impl KafkaConfig {
     /// [`AdoptGroupOffset`](MissingPosition::AdoptGroupOffset).
     pub fn on_missing_position(mut self, policy: MissingPosition) -> Self {
         self.on_missing_position = policy;
+        self
+    }
+
+    /// What a partition does when its database position is below the broker's low watermark
+    /// (retention deleted records the consumer never processed): [`RetentionGap::Refuse`]
+    /// (default: held until another position is written) or
+    /// [`Earliest`](RetentionGap::Earliest) (accept the gap). Either way the gap is logged at
+    /// ERROR and counted.
+    pub fn on_retention_gap(mut self, policy: RetentionGap) -> Self {
+        self.on_retention_gap = policy;
         self
     }
 

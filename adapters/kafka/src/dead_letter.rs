@@ -1,18 +1,28 @@
 //! Dead letters of a [`KafkaDelivery`]: the record with its `txinbox.dlq.*` headers, the
 //! reduced copies when it is too large, and the retries while the topic is unavailable.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::FutureRecord;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use txinbox::dead_letter::DeadLetter;
 use txinbox::retry::Backoff;
 use txinbox::source::SettleError;
 
+use crate::config::KafkaConfig;
 use crate::delivery::KafkaDelivery;
 use crate::produce::{self, Failure};
+use crate::state::{problem, Shared};
 use crate::{headers, telemetry};
+
+/// How long one look-up of a dead-letter topic in the broker's metadata may take.
+const TOPIC_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often dead-letter topics are looked up again while one is missing (or could not be
+/// looked up).
+const TOPIC_RECHECK: Duration = Duration::from_secs(10);
 
 /// A dead letter waiting on a transient failure logs a warning on its first failure and then
 /// on every this many.
@@ -275,4 +285,134 @@ fn sha256_hex(bytes: &[u8]) -> String {
         let _ = write!(hex, "{b:02x}");
     }
     hex
+}
+
+/// The dead-letter topics of `config`'s subscriptions, each with the topics whose dead letters
+/// go there. A pattern subscription (`^…`) has none unless one dead-letter topic is configured.
+fn dead_letter_topics(config: &KafkaConfig) -> BTreeMap<String, Vec<String>> {
+    let mut topics: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for topic in &config.topics {
+        if topic.starts_with('^') && config.dead_letter_topic.is_none() {
+            continue;
+        }
+        topics
+            .entry(config.dead_letter_topic_for(topic))
+            .or_default()
+            .push(topic.clone());
+    }
+    topics
+}
+
+/// What the broker says about a dead-letter topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Lookup {
+    Exists,
+    /// `UNKNOWN_TOPIC_OR_PART`: it does not exist (and the broker does not create it).
+    Missing,
+    /// No answer (broker unreachable, timeout) or another error: it cannot tell now.
+    Unknown(String),
+}
+
+/// One metadata request for `topic`, through the dead-letter producer (with the producer's own
+/// `allow.auto.create.topics`, so a broker that would create the topic for the first dead
+/// letter creates it now instead). Blocks up to [`TOPIC_LOOKUP_TIMEOUT`].
+fn look_up(producer: &FutureProducer, topic: &str) -> Lookup {
+    let metadata = match producer
+        .client()
+        .fetch_metadata(Some(topic), TOPIC_LOOKUP_TIMEOUT)
+    {
+        Ok(m) => m,
+        Err(e) => return Lookup::Unknown(e.to_string()),
+    };
+    let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Lookup::Unknown("the broker's metadata does not mention it".into());
+    };
+    match t.error().map(RDKafkaErrorCode::from) {
+        None => Lookup::Exists,
+        Some(RDKafkaErrorCode::UnknownTopicOrPartition) => Lookup::Missing,
+        // Being created (auto-creation answers so at first) or moving: it exists.
+        Some(RDKafkaErrorCode::LeaderNotAvailable | RDKafkaErrorCode::NotLeaderForPartition) => {
+            Lookup::Exists
+        }
+        Some(code) => Lookup::Unknown(format!("{code:?}")),
+    }
+}
+
+/// Looks the dead-letter topics up in the broker's metadata when the source starts, and again
+/// every [`TOPIC_RECHECK`] until every one is found. A topic the broker says does not exist
+/// would hold the partition of the first record that must be dead-lettered (its produce fails
+/// transiently until the topic appears): that is an ERROR and a problem in the consumer's
+/// health (not ready) until it exists. Runs on the runtime's blocking threads and holds the
+/// source's state only while it looks (dropping the last reference drops the producer, which
+/// must not happen on a runtime worker).
+pub(crate) fn watch_topics(shared: &Arc<Shared>, runtime: &tokio::runtime::Handle) {
+    let topics = dead_letter_topics(&shared.config);
+    if topics.is_empty() {
+        return;
+    }
+    let weak: Weak<Shared> = Arc::downgrade(shared);
+    runtime.spawn(async move {
+        let mut missing: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            let (weak, topics, before) = (weak.clone(), topics.clone(), missing.clone());
+            let looked = tokio::task::spawn_blocking(move || {
+                let shared = weak.upgrade()?;
+                if shared.stopping() {
+                    return None;
+                }
+                Some(report_topics(&shared, &topics, &before))
+            })
+            .await;
+            let Ok(Some((now_missing, done))) = looked else {
+                return;
+            };
+            missing = now_missing;
+            if done {
+                return;
+            }
+            tokio::time::sleep(TOPIC_RECHECK).await;
+        }
+    });
+}
+
+/// Looks every dead-letter topic up, logs what changed since `before` (the missing ones, with
+/// their problem line), and reports the missing ones to the consumer's health. Returns the
+/// missing ones and whether every topic was found. One that could not be looked up keeps what
+/// was said of it before.
+fn report_topics(
+    shared: &Shared,
+    topics: &BTreeMap<String, Vec<String>>,
+    before: &BTreeMap<String, String>,
+) -> (BTreeMap<String, String>, bool) {
+    let mut missing = BTreeMap::new();
+    let mut all_found = true;
+    for (dlq, sources) in topics {
+        match look_up(&shared.producer, dlq) {
+            Lookup::Exists => {
+                if before.contains_key(dlq) {
+                    tracing::info!(dead_letter_topic = %dlq, "the dead-letter topic exists now");
+                }
+            }
+            Lookup::Missing => {
+                all_found = false;
+                let line = format!(
+                    "dead-letter topic {dlq:?} (for records of {}) does not exist, says the broker: the first record that must be dead-lettered would hold its partition until it does; create it, or choose another with KafkaConfig::dead_letter_topic",
+                    sources.join(", ")
+                );
+                if !before.contains_key(dlq) {
+                    tracing::error!(dead_letter_topic = %dlq, "{line}");
+                }
+                missing.insert(dlq.clone(), line);
+            }
+            Lookup::Unknown(why) => {
+                all_found = false;
+                tracing::debug!(dead_letter_topic = %dlq, %why, "the dead-letter topic could not be looked up; trying again");
+                if let Some(line) = before.get(dlq) {
+                    missing.insert(dlq.clone(), line.clone());
+                }
+            }
+        }
+    }
+    shared.set_problems(problem::DEAD_LETTER_TOPICS, missing.values().cloned().collect());
+    (missing, all_found)
 }

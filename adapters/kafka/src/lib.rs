@@ -45,7 +45,9 @@
 //! | crash after the database commit, before the offset commit | the restart resumes at the database position: nothing re-applied, nothing skipped |
 //! | database restored from a backup | the restart resumes where the restored database ends: the lost messages are applied again, once |
 //! | a partition the group has committed but the database has no position for (a dump taken before it was first processed, a fresh database) | by [`KafkaConfig::on_missing_position`]: held with an ERROR until a position is written (default, [`MissingPosition::Refuse`]), or from the earliest offset, or from the group's offset; never silently skipped |
-//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`) |
+//! | a database position below the broker's low watermark (retention deleted records never processed) | by [`KafkaConfig::on_retention_gap`]: ERROR naming the offsets lost, counted in [`telemetry::OFFSETS_DELETED_UNPROCESSED`], then held until another position is written (default, [`RetentionGap::Refuse`]) or started at the earliest retained offset; never `auto.offset.reset` in silence |
+//! | neither a database position nor a group offset | `auto.offset.reset` (default `earliest`); a group offset of 0 starts at the earliest retained offset |
+//! | a held partition, an assignment waiting for the database, a dead-letter topic the broker says does not exist (looked up at start) | the consumer's health is not ready, with a problem naming the cause ([`txinbox::health::HealthReport::source_problems`]) |
 //! | rebalance (eager or cooperative-sticky) | revoked partitions stop, drain (bounded), commit, then move; the new owner starts at the database position |
 //! | offset commit fails (`REBALANCE_IN_PROGRESS`, `ILLEGAL_GENERATION`, `_STATE`, broker down) | logged at info; the database position decides where the next owner starts |
 //! | message without an ID under the ID strategy | dead-lettered with reason `missing_id`, never processed undeduplicated |
@@ -61,8 +63,11 @@
 //! - Lanes are whole partitions; key sub-lanes inside a partition are not implemented.
 //! - The database positions belong to the consumer *name*: two services reading one topic need
 //!   two consumer names (and two group ids).
-//! - Loading positions at assignment retries while the database is down (fail closed); if that
-//!   exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins later.
+//! - Loading positions at assignment retries while the database is down (fail closed, reported
+//!   not ready); if that exceeds `max.poll.interval.ms`, librdkafka leaves the group and rejoins
+//!   later.
+//! - The low watermark is compared with the database position on assignment only: a consumer
+//!   that falls behind retention while it runs gets librdkafka's `auto.offset.reset`.
 //! - `Debug` output and client-creation errors mask secret property values
 //!   ([`txinbox::redact`]).
 
@@ -79,12 +84,13 @@ mod poller;
 mod produce;
 mod publisher;
 mod ready;
+mod retention;
 mod source;
 mod state;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, MissingPosition, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
+    KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use delivery::KafkaDelivery;
@@ -143,8 +149,16 @@ pub mod telemetry {
     pub const DEAD_LETTERS_WAITING: &str = "txinbox_kafka_dead_letters_waiting";
     /// Gauge, labels `consumer` and `topic`: partitions held because the group has a committed
     /// offset and the database no position for them
-    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)). Alert when above 0.
+    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)), or because their
+    /// database position is behind the broker's retention
+    /// ([`RetentionGap::Refuse`](crate::RetentionGap::Refuse)). Alert when above 0.
     pub const PARTITIONS_BLOCKED: &str = "txinbox_kafka_partitions_blocked";
+    /// Counter, labels `consumer`, `topic` and `partition`: offsets between a partition's
+    /// database position and the broker's low watermark, found when the partition was assigned
+    /// (or a held one got a new position): records retention deleted before the consumer
+    /// processed them ([`RetentionGap`](crate::RetentionGap)). Counted each time a gap is found,
+    /// so a held partition found again after a rebalance counts again. Alert on any increase.
+    pub const OFFSETS_DELETED_UNPROCESSED: &str = "txinbox_kafka_offsets_deleted_unprocessed_total";
     /// Gauge, labels `consumer`, `topic` and `partition`: the partition's high watermark minus
     /// the consumer's database position (the next offset its effects committed; before any,
     /// the first offset received), i.e. messages not yet processed. From librdkafka's

@@ -60,6 +60,8 @@ pub struct KafkaPublisher {
     source: String,
     producer: Mutex<Arc<FutureProducer>>,
     delivery_timeout: Duration,
+    /// The topic of the last publish: what [`probe`](Publisher::probe) asks about.
+    last_topic: Mutex<Option<String>>,
 }
 
 impl fmt::Debug for KafkaPublisher {
@@ -212,6 +214,7 @@ impl KafkaPublisherBuilder {
             source: self.source,
             producer: Mutex::new(Arc::new(producer)),
             delivery_timeout: self.delivery_timeout,
+            last_topic: Mutex::new(None),
         })
     }
 }
@@ -246,6 +249,12 @@ impl Publisher for KafkaPublisher {
         if let Some(key) = message.key() {
             record = record.key(key.as_ref());
         }
+        {
+            let mut last = self.last_topic.lock().unwrap_or_else(|p| p.into_inner());
+            if last.as_deref() != Some(message.destination()) {
+                *last = Some(message.destination().to_owned());
+            }
+        }
         // Waits while the local queue is full, then for the delivery report; bounded by
         // message.timeout.ms (and the relay's own publish_timeout).
         let producer = self.current();
@@ -263,6 +272,47 @@ impl Publisher for KafkaPublisher {
                 Err(classify(e, message))
             }
         }
+    }
+
+    /// A metadata request for the topic last published to (all topics before the first
+    /// publish), bounded by the delivery timeout (at most 10 s): `Ok` when a broker answers and
+    /// every partition of that topic has a leader.
+    async fn probe(&self) -> Option<Result<(), PublishError>> {
+        let producer = self.current();
+        let topic = self.last_topic.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let timeout = self.delivery_timeout.min(Duration::from_secs(10));
+        // A blocking request: off the runtime's workers.
+        let answer = tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(topic.as_deref(), timeout)
+                .map_err(|e| format!("no metadata from the brokers: {e}"))?;
+            let Some(topic) = topic else { return Ok(()) };
+            let t = metadata
+                .topics()
+                .iter()
+                .find(|t| t.name() == topic)
+                .ok_or_else(|| format!("the brokers' metadata does not mention topic {topic}"))?;
+            if let Some(e) = t.error() {
+                return Err(format!("topic {topic}: {:?}", RDKafkaErrorCode::from(e)));
+            }
+            match t
+                .partitions()
+                .iter()
+                .find(|p| p.leader() < 0 || p.error().is_some())
+            {
+                Some(p) => Err(format!("topic {topic} partition {} has no leader", p.id())),
+                None => Ok(()),
+            }
+        })
+        .await;
+        Some(match answer {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => Err(PublishError::transient(why)),
+            Err(e) => Err(PublishError::transient(format!(
+                "the metadata request failed: {e}"
+            ))),
+        })
     }
 }
 

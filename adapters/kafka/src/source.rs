@@ -67,6 +67,8 @@ pub struct KafkaSource {
     /// Set when a second, different consumer was attached: the source would read one
     /// consumer's positions while another writes its own, so `receive` refuses to go on.
     attached_twice: Option<String>,
+    /// Where the dead-letter topics are looked up once the source starts.
+    runtime: tokio::runtime::Handle,
 }
 
 impl fmt::Debug for KafkaSource {
@@ -112,7 +114,7 @@ impl KafkaSource {
         });
         let context = PollerContext {
             shared: shared.clone(),
-            runtime,
+            runtime: runtime.clone(),
             last_error: Mutex::new(String::new()),
             lag_reported: Mutex::new(Vec::new()),
         };
@@ -154,6 +156,7 @@ impl KafkaSource {
             start_poller: Some(start_tx),
             attached_twice: None,
             poller_done: Some(done_rx),
+            runtime,
         })
     }
 }
@@ -273,6 +276,7 @@ impl MessageSource for KafkaSource {
         self.shared.lock().consumer = name;
         if let Some(start) = self.start_poller.take() {
             let _ = start.send(());
+            crate::dead_letter::watch_topics(&self.shared, &self.runtime);
         }
     }
 

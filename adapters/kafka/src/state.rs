@@ -13,6 +13,17 @@ use crate::config::KafkaConfig;
 use crate::telemetry;
 use crate::tracker::{Generation, Partition};
 
+/// The kinds of problem the source reports to the consumer's health
+/// ([`SourceHealth::set_problems`](txinbox::health::SourceHealth::set_problems)).
+pub(crate) mod problem {
+    /// An assignment waiting for the inbox database (the rebalance callback retries).
+    pub(crate) const ASSIGNMENT: &str = "kafka-assignment";
+    /// Partitions held ([`Hold`](crate::tracker::Hold)).
+    pub(crate) const HELD: &str = "kafka-held-partitions";
+    /// Dead-letter topics the broker says do not exist.
+    pub(crate) const DEAD_LETTER_TOPICS: &str = "kafka-dead-letter-topics";
+}
+
 /// State shared by the source, the poller thread, the rebalance callback and the deliveries.
 pub(crate) struct Shared {
     pub(crate) config: KafkaConfig,
@@ -131,8 +142,42 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
-    /// Reports the partitions assigned now to the consumer's health, if it is attached.
+    /// Reports `problems` of `kind` (see [`problem`]) to the consumer's health, if it is
+    /// attached; an empty list clears them.
+    pub(crate) fn set_problems(&self, kind: &str, problems: Vec<String>) {
+        if let Some(health) = self.health.get() {
+            health.set_problems(kind, problems);
+        }
+    }
+
+    /// Reports the held partitions, each with its cause and the way out, to the consumer's
+    /// health (not ready while any is held).
+    pub(crate) fn report_held(&self) {
+        if self.health.get().is_none() {
+            return;
+        }
+        let mut held: Vec<(Arc<str>, i32, crate::tracker::Hold)> = self
+            .lock()
+            .partitions
+            .iter()
+            .flat_map(|(t, parts)| {
+                parts
+                    .iter()
+                    .filter_map(|(n, p)| Some((t.clone(), *n, p.blocked?)))
+            })
+            .collect();
+        held.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        let lines = held
+            .into_iter()
+            .map(|(topic, partition, hold)| hold.explain(&topic, partition, &self.config.group_id))
+            .collect();
+        self.set_problems(problem::HELD, lines);
+    }
+
+    /// Reports the partitions assigned now (and the held ones) to the consumer's health, if it
+    /// is attached.
     pub(crate) fn report_assignment(&self) {
+        self.report_held();
         if let Some(health) = self.health.get() {
             let lanes: Vec<Arc<str>> = self
                 .lock()

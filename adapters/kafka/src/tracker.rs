@@ -65,10 +65,41 @@ pub(crate) struct Partition {
     /// Handed to the runtime and not yet settled or dropped.
     pub(crate) in_flight: usize,
     pub(crate) paused: bool,
-    /// Held (assigned, paused, nothing handed out) because the group has a committed offset
-    /// and the database no position: the group's offset, `None` if it could not be read.
-    /// `Some(..)` while blocked.
-    pub(crate) blocked: Option<Option<i64>>,
+    /// Held (assigned, paused, nothing handed out), and why. `Some(..)` while blocked.
+    pub(crate) blocked: Option<Hold>,
+}
+
+/// Why a partition is held: assigned, paused, nothing of it handed out, until a position
+/// written to the database releases it (see `assignment` and `retention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// The database has no position and the group has passed records of it
+    /// ([`MissingPosition::Refuse`](crate::MissingPosition::Refuse)): the group's committed
+    /// offset, `None` while it could not be read.
+    MissingPosition { group_offset: Option<i64> },
+    /// The database position is below the broker's low watermark: retention deleted records
+    /// the consumer never processed ([`RetentionGap::Refuse`](crate::RetentionGap::Refuse)).
+    /// `low` is `None` while the watermark could not be read (held until it can).
+    BehindRetention { position: i64, low: Option<i64> },
+}
+
+impl Hold {
+    /// One line for the health report: the partition, the cause and the way out.
+    pub(crate) fn explain(&self, topic: &str, partition: i32, group: &str) -> String {
+        match *self {
+            Hold::MissingPosition { group_offset } => format!(
+                "partition {topic}/{partition} held: the database has no position for it and consumer group {group:?} has committed offset {} (on_missing_position = refuse); write one with `txinbox positions set --to-earliest` or `txinbox positions adopt`",
+                group_offset.map_or_else(|| "unknown (it could not be read yet)".to_owned(), |o| o.to_string())
+            ),
+            Hold::BehindRetention { position, low: Some(low) } => format!(
+                "partition {topic}/{partition} held: its database position {position} is behind the broker's low watermark {low}: retention deleted {} records it never processed (on_retention_gap = refuse); accept the gap with `txinbox positions set --to-earliest`",
+                low - position
+            ),
+            Hold::BehindRetention { position, low: None } => format!(
+                "partition {topic}/{partition} held: its database position {position} could not be checked against the broker's low watermark yet (retrying)"
+            ),
+        }
+    }
 }
 
 impl Partition {

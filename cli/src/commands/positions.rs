@@ -5,8 +5,10 @@
 //! restore (or on a new database) a partition with a committed group offset but no database
 //! position is refused by the consumer: `adopt` takes the group's offsets as done, `set
 //! --to-earliest` re-reads everything the broker holds (the inbox skips what is applied).
-//! Every write prints its plan, writes nothing with `--dry-run`, asks on a terminal or needs
-//! `--yes`, and writes in one transaction only if the positions are still what the plan saw.
+//! Every write prints its plan, is checked by one rule for both commands ([`refusals`]:
+//! retention horizon, skipped records, active members; `--force` overrides it), writes nothing
+//! with `--dry-run`, asks on a terminal or needs `--yes`, and writes in one transaction only if
+//! the positions are still what the plan saw.
 
 use std::collections::BTreeSet;
 use std::fmt::Write;
@@ -233,7 +235,7 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
         .await
         .map_err(db("reading the retention horizon"))?;
     let views = views(pool, &kafka, consumer, topic, &group, &a.partitions).await?;
-    let (changes, skips) = ops::adopt_plan(&views, a.force);
+    let (changes, skips) = ops::adopt_plan(&views, a.overwrite);
     let (mut text, mut report) = plan_report(
         "store the group's committed offsets as database positions (the records before them count as done)",
         consumer,
@@ -242,25 +244,8 @@ async fn adopt(env: &Env, a: PositionsAdoptArgs) -> Result<Report, CliError> {
         &changes,
         &skips,
     );
-    // A stored position behind the group's offset (--force): the records between have no
-    // effects in the database (after a restore: the effects it lost) and will never reach the
-    // consumer once adopted. Say which, before anything is written.
-    let skipped: Vec<String> = changes
-        .iter()
-        .filter_map(|c| {
-            let from = c.from?;
-            (from < c.to).then(|| {
-                format!(
-                    "partition {} offsets {from}..{} will never reach the consumer: the database position says they were not processed (after a restore: the effects it lost); `positions set --to-earliest` re-applies them instead",
-                    c.partition, c.to
-                )
-            })
-        })
-        .collect();
-    for w in &skipped {
-        let _ = writeln!(text, "warning: {w}");
-    }
-    report["warnings"] = json!(skipped);
+    let refused = refusals(&kafka, topic, &group, &views, &changes, horizon)?;
+    guard(&mut text, &mut report, &refused, a.force, a.write.dry_run)?;
     write(
         env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
     )
@@ -291,17 +276,40 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
         None => "store the earliest offset the broker holds (the inbox skips what is already applied)".into(),
     };
     let (mut text, mut report) = plan_report(&what, consumer, topic, &group, &changes, &skips);
+    let refused = refusals(&kafka, topic, &group, &views, &changes, horizon)?;
+    guard(&mut text, &mut report, &refused, a.force, a.write.dry_run)?;
+    write(
+        env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
+    )
+    .await
+}
 
-    // What --force overrides: purged IDs re-applied, records skipped, running consumers.
+/// Why writing `changes` is refused, one reason each; empty when nothing refuses it. The one
+/// check of every command that writes positions (`set`, `adopt`):
+///
+/// - a new position before the retention horizon: records produced before it may have had
+///   their inbox rows purged, so they would be applied again;
+/// - a new position after where the consumer resumes: the records in between would never
+///   reach it;
+/// - any write while the group has active members, which overwrite a partition's position
+///   with their own progress; except for partitions a consumer holds
+///   ([`PositionStatus::held_by_consumer`](ops::PositionStatus::held_by_consumer)), which it
+///   never writes and picks up within seconds (the point of writing them).
+fn refusals(
+    kafka: &Kafka,
+    topic: &str,
+    group: &str,
+    views: &[PartitionView],
+    changes: &[Change],
+    horizon: Option<Timestamp>,
+) -> Result<Vec<String>, CliError> {
+    let view = |partition: i32| views.iter().find(|v| v.partition == partition);
+    let mut refusals = Vec::new();
     let starts: Vec<(i32, i64, i64)> = changes
         .iter()
-        .filter_map(|c| {
-            let v = views.iter().find(|v| v.partition == c.partition)?;
-            Some((c.partition, c.to, v.high))
-        })
+        .filter_map(|c| Some((c.partition, c.to, view(c.partition)?.high)))
         .collect();
-    let mut refusals = Vec::new();
-    if !super::replay::before_horizon(&kafka, topic, &starts, horizon)?.is_empty() {
+    if !super::replay::before_horizon(kafka, topic, &starts, horizon)?.is_empty() {
         refusals.push(format!(
             "the new positions are before the retention horizon {} (records produced before it may have had their inbox rows purged, so they would be applied again)",
             horizon.map(|h| h.to_string()).unwrap_or_default()
@@ -310,7 +318,7 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
     let skipped: Vec<String> = changes
         .iter()
         .filter_map(|c| {
-            let v = views.iter().find(|v| v.partition == c.partition)?;
+            let v = view(c.partition)?;
             // Neither a position nor a group offset: the consumer would start at the low
             // watermark (auto.offset.reset = earliest), so that is what a later start skips.
             let resume = c.from.or(v.group_offset).unwrap_or(v.low).max(v.low);
@@ -319,49 +327,50 @@ async fn set(env: &Env, a: PositionsSetArgs) -> Result<Report, CliError> {
         .collect();
     if !skipped.is_empty() {
         refusals.push(format!(
-            "the new positions are after where the consumer resumes ({}): those records would never reach it",
+            "the new positions are after where the consumer resumes ({}): those records would never reach it (after a restore: the effects it lost; `positions set --to-earliest` re-applies them instead)",
             skipped.join(", ")
         ));
     }
-    // A partition held for a missing database position is paused by its consumer, which never
-    // writes its position: running members cannot overwrite what is written for it (and the
-    // consumer picks it up within seconds, which is the point of writing it).
-    let only_held = changes.iter().all(|c| {
-        views
-            .iter()
-            .find(|v| v.partition == c.partition)
-            .is_some_and(|v| v.status() == ops::PositionStatus::MissingInDb)
-    });
-    let members = tokio::task::block_in_place(|| kafka.group_members(&group))?;
-    if !members.is_empty() && !only_held {
-        refusals.push(format!(
-            "group {group} has {} active member(s): {}; a consumer that holds a partition overwrites its database position with its own progress: stop the consumers first",
-            members.len(),
-            members.join(", ")
-        ));
+    let only_held = changes
+        .iter()
+        .all(|c| view(c.partition).is_some_and(|v| v.status().held_by_consumer()));
+    if !changes.is_empty() && !only_held {
+        let members = tokio::task::block_in_place(|| kafka.group_members(group))?;
+        if !members.is_empty() {
+            refusals.push(format!(
+                "group {group} has {} active member(s): {}; a consumer that holds a partition overwrites its database position with its own progress: stop the consumers first",
+                members.len(),
+                members.join(", ")
+            ));
+        }
     }
-    for r in &refusals {
+    Ok(refusals)
+}
+
+/// Shows `refused` in the plan (as warnings with `--force` or `--dry-run`) and in the report's
+/// `warnings`; an error that writes nothing unless forced or a dry run.
+fn guard(
+    text: &mut String,
+    report: &mut serde_json::Value,
+    refused: &[String],
+    force: bool,
+    dry_run: bool,
+) -> Result<(), CliError> {
+    for r in refused {
         let _ = writeln!(
             text,
             "{}: {r}",
-            if a.force || a.write.dry_run {
-                "warning"
-            } else {
-                "refused"
-            }
+            if force || dry_run { "warning" } else { "refused" }
         );
     }
-    report["warnings"] = json!(refusals);
-    if !refusals.is_empty() && !a.force && !a.write.dry_run {
+    report["warnings"] = json!(refused);
+    if !refused.is_empty() && !force && !dry_run {
         return Err(CliError::Failed(format!(
             "{}; nothing was written (pass --force to write anyway)",
-            refusals.join("; ")
+            refused.join("; ")
         )));
     }
-    write(
-        env, pool, consumer, topic, &changes, horizon, &a.write, text, report,
-    )
-    .await
+    Ok(())
 }
 
 async fn rebind(env: &Env, a: PositionsRebindArgs) -> Result<Report, CliError> {

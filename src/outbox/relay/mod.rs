@@ -79,7 +79,10 @@ use listen::{notified, read_queued, Listener};
 /// When every publish of a round fails transiently, for at least two rows, the relay takes the
 /// broker as unavailable: no attempt is counted against the rows (an outage must not
 /// dead-letter the head of every key) and rounds are spaced out, doubling from
-/// `poll_interval` up to 30 s, until a publish succeeds. A single failing row, alone in its
+/// `poll_interval` up to 30 s, until a publish succeeds, or until a round with nothing of its
+/// own to publish (with several relays, another one may take every new row) finds the broker
+/// answering again ([`Publisher::probe`]; a publisher that cannot tell puts the relay's
+/// report back to unknown: it has no evidence either way). A single failing row, alone in its
 /// round, is counted as usual — so is a row that fails while others succeed. (Rows of several
 /// keys that all fail for their own reasons, with nothing else pending, look like an outage
 /// too: they wait, uncounted, until other rows are published beside them.)
@@ -222,6 +225,9 @@ impl<P: Publisher> Relay<P> {
         // Consecutive rounds that found the database unavailable: the pause grows with them.
         let mut unavailable_rounds: u32 = 0;
         loop {
+            // Set by a round that had nothing of its own to publish while the broker looks
+            // unavailable: only the broker itself can say the outage is over.
+            let mut ask_broker = false;
             // Waits for the database (up to the pool's acquire timeout while it is unreachable)
             // give way to shutdown; a round that has its connection finishes.
             if listener.is_none() {
@@ -273,6 +279,8 @@ impl<P: Publisher> Relay<P> {
                     Ok(round) => {
                         if round.published > 0 {
                             outage_pause = None;
+                        } else if round.failed == 0 {
+                            ask_broker = outage_pause.is_some();
                         }
                         break;
                     }
@@ -280,6 +288,15 @@ impl<P: Publisher> Relay<P> {
                 }
                 if futures::FutureExt::now_or_never(&mut shutdown).is_some() {
                     return Ok(());
+                }
+            }
+            if ask_broker {
+                tokio::select! {
+                    biased;
+                    () = &mut shutdown => return Ok(()),
+                    over = self.outage_over() => if over {
+                        outage_pause = None;
+                    },
                 }
             }
             if let Some(pause) = outage_pause {
@@ -331,5 +348,36 @@ impl<P: Publisher> Relay<P> {
         }
         tracing::error!(%relay, error = %e, "outbox relay round failed; retrying after the poll interval");
         self.health.round_failed(&e.to_string());
+    }
+}
+
+impl<P: Publisher> Relay<P> {
+    /// While the broker looks unavailable and a round had nothing of its own to publish (with
+    /// several relays, another may take every new row): asks the publisher whether the broker
+    /// is back ([`Publisher::probe`]), bounded by `publish_timeout`, and reports the answer.
+    /// `true`: the outage is over as far as this relay can tell (the broker answered, or the
+    /// publisher cannot tell and the report goes back to unknown).
+    async fn outage_over(&self) -> bool {
+        use crate::health::BrokerStatus;
+        let answer = tokio::time::timeout(self.config.publish_timeout, self.publisher.probe()).await;
+        match answer {
+            Ok(Some(Ok(()))) => {
+                tracing::info!(relay = %self.config.name, "the broker answers again; the outage is over");
+                self.health.set_broker(BrokerStatus::Connected);
+                true
+            }
+            Ok(None) => {
+                self.health.set_broker(BrokerStatus::Unknown);
+                true
+            }
+            Ok(Some(Err(e))) => {
+                tracing::debug!(relay = %self.config.name, error = %e, "the broker still looks unavailable");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(relay = %self.config.name, "the broker did not answer within publish_timeout");
+                false
+            }
+        }
     }
 }

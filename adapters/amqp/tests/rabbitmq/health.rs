@@ -96,3 +96,74 @@ async fn queue_depth_and_connection_are_reported() {
     queue.delete().await;
     db.drop_db().await;
 }
+
+/// With `declare_topology(false)` the dead-letter queue is someone else's to declare. One that
+/// does not exist is found when the source connects, not when the first bad message's copy is
+/// unroutable and the message keeps coming back: the consumer is not ready and the problem names
+/// the queue. Once it is declared, the consumer is ready again without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_dead_letter_queue_is_reported_at_start() {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    let _suite = shared().await;
+    let db = TestDb::new(10).await;
+    let queue = TestQueue::new("dlq-missing").await;
+    let dlq = format!("{}.elsewhere", queue.name);
+    let config = queue.config(5).declare_topology(false).dead_letter_queue(&dlq);
+    let consumer = Consumer::builder("amqp-dlq-missing")
+        .source(AmqpSource::connect(config).await.unwrap())
+        .inbox(db.inbox())
+        .handler(DepositHandler::default())
+        .concurrency(1)
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async move {
+        let _ = stopped.await;
+    }));
+    let named = |r: &txinbox::health::HealthReport| {
+        r.problems()
+            .iter()
+            .any(|p| p.contains(&dlq) && p.contains("does not exist"))
+    };
+    wait_until(
+        Duration::from_secs(15),
+        "a problem names the missing dead-letter queue",
+        || async { named(&health.report()) },
+    )
+    .await;
+    assert!(!health.report().is_ready(), "{:?}", health.report().problems());
+
+    let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            dlq.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(30), "ready once the queue exists", || async {
+        health.report().is_ready()
+    })
+    .await;
+
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let _ = channel
+        .queue_delete(dlq.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+    queue.delete().await;
+    db.drop_db().await;
+}

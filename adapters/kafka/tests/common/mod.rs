@@ -31,6 +31,8 @@ pub fn init_tracing() {
 pub struct TestDb {
     pub pool: PgPool,
     pub name: String,
+    /// A URL of the database (`DATABASE_URL` with its name).
+    pub url: String,
     database: TestDatabase,
 }
 
@@ -60,6 +62,7 @@ impl TestDb {
         TestDb {
             pool: database.pool().clone(),
             name: database.name().to_owned(),
+            url: database.url().to_owned(),
             database,
         }
     }
@@ -287,6 +290,8 @@ pub fn kafka_config(brokers: &str, group: &str, topic: &str) -> KafkaConfig {
 pub struct Running {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), txinbox::Error>>,
+    /// The consumer's health.
+    pub health: txinbox::health::Health,
 }
 
 impl Running {
@@ -302,6 +307,7 @@ impl Running {
             .max_in_flight(64)
             .build()
             .expect("consumer");
+        let health = consumer.health();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(consumer.run_until(async {
             let _ = stopped.await;
@@ -309,6 +315,30 @@ impl Running {
         Running {
             stop: Some(stop),
             task,
+            health,
+        }
+    }
+
+    /// Waits until the consumer's health report satisfies `check`; panics with the last report
+    /// after `within`.
+    pub async fn wait_health(
+        &self,
+        within: Duration,
+        what: &str,
+        check: impl Fn(&txinbox::health::HealthReport) -> bool,
+    ) -> txinbox::health::HealthReport {
+        let started = Instant::now();
+        loop {
+            let report = self.health.report();
+            if check(&report) {
+                return report;
+            }
+            assert!(
+                started.elapsed() < within,
+                "timed out after {within:?} waiting until {what}; last report: {report:#?}, problems: {:?}",
+                report.problems()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 

@@ -120,3 +120,132 @@ async fn lag_and_assignment_are_reported() {
         .unwrap();
     drop(mock);
 }
+
+/// The rebalance callback waits while the inbox database refuses connections (recording the
+/// group and loading the positions retry, fail closed): nothing of the assignment is consumed,
+/// so the consumer is not ready, and the report says why. Once the database takes connections
+/// again, the assignment completes and the consumer is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_assignment_waiting_for_the_database_is_not_ready() {
+    use sqlx::postgres::{PgPool, PgPoolOptions};
+    let (mock, topic) = setup_topic("health-db-wait", 2);
+    let db = TestDb::new().await;
+    let published = Producer::new(&mock.bootstrap)
+        .deposits(&topic, 2, "w", 6, 0)
+        .await;
+    // The scratch database refuses new connections and loses the ones it had.
+    let server = PgPool::connect(&txinbox_testing::database::server_url())
+        .await
+        .unwrap();
+    let allow = |on: bool| format!("ALTER DATABASE {} ALLOW_CONNECTIONS {on}", db.name);
+    sqlx::query(sqlx::AssertSqlSafe(allow(false)))
+        .execute(&server)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(&db.name)
+    .execute(&server)
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy(&db.url)
+        .unwrap();
+    let consumer = txinbox::Consumer::builder(CONSUMER)
+        .source(KafkaSource::new(kafka_config(&mock.bootstrap, "g-health-db-wait", &topic)).unwrap())
+        .inbox(txinbox::PostgresInbox::new(pool))
+        .handler(DepositHandler::default().tagged(1))
+        .concurrency(2)
+        .build()
+        .unwrap();
+    let health = consumer.health();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    let named = |r: &txinbox::health::HealthReport| {
+        r.problems()
+            .iter()
+            .any(|p| p.contains("assignment waits for the inbox database") && p.contains(&topic))
+    };
+    let started = std::time::Instant::now();
+    while !named(&health.report()) {
+        let report = health.report();
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the waiting assignment is not reported: ready {}, problems {:?}",
+            report.is_ready(),
+            report.problems()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = health.report();
+    assert!(!report.is_ready() && report.is_alive(), "{report:#?}");
+
+    sqlx::query(sqlx::AssertSqlSafe(allow(true)))
+        .execute(&server)
+        .await
+        .unwrap();
+    db.wait_applied(published.amounts.len() as i64, Duration::from_secs(60))
+        .await;
+    wait_for(
+        Duration::from_secs(30),
+        "ready once the assignment completed",
+        || async { health.report().is_ready() },
+    )
+    .await;
+    let _ = stop.send(());
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+/// A dead-letter topic the broker says does not exist is found when the source starts, not
+/// when the first bad record waits for it: the consumer is not ready and the problem names the
+/// topic. Once the topic exists, the consumer is ready again without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_missing_dead_letter_topic_is_reported_at_start() {
+    use rdkafka::types::RDKafkaRespErr;
+    let (mock, topic) = setup_topic("health-dlq-missing", 1);
+    let dlq = format!("{topic}.dlq");
+    // What a broker that does not create topics answers for one that does not exist.
+    mock.call(|d| {
+        Command::TopicError(
+            dlq.clone(),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
+            d,
+        )
+    });
+    let db = TestDb::new().await;
+    let running = Running::start(
+        &db,
+        kafka_config(&mock.bootstrap, "g-health-dlq-missing", &topic),
+        DepositHandler::default().tagged(1),
+    );
+    let report = running
+        .wait_health(
+            Duration::from_secs(30),
+            "a problem names the missing dead-letter topic",
+            |r| {
+                r.problems()
+                    .iter()
+                    .any(|p| p.contains(&dlq) && p.contains("does not exist"))
+            },
+        )
+        .await;
+    assert!(!report.is_ready(), "{report:#?}");
+
+    mock.call(|d| Command::TopicError(dlq.clone(), RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR, d));
+    running
+        .wait_health(Duration::from_secs(30), "ready once the topic exists", |r| {
+            r.is_ready()
+        })
+        .await;
+    running.stop().await;
+}

@@ -106,6 +106,19 @@ async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
         || async { metrics::gauge(telemetry::PARTITIONS_BLOCKED, ("topic", &topic)) == 1.0 },
     )
     .await;
+    // The held partition is not only a gauge: the consumer is not ready, and says why.
+    let held = running
+        .wait_health(
+            Duration::from_secs(15),
+            "a problem names the held partition and the cause",
+            |r| {
+                r.problems()
+                    .iter()
+                    .any(|p| p.contains(&format!("{topic}/1")) && p.contains("no position"))
+            },
+        )
+        .await;
+    assert!(!held.is_ready(), "{held:#?}");
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(
         count(&db, "SELECT count(*) FROM effects WHERE part = $1", 1).await,
@@ -127,6 +140,13 @@ async fn refuses_until_a_position_is_written(name: &str, strategy: &str) {
         metrics::gauge(telemetry::PARTITIONS_BLOCKED, ("topic", &topic)),
         0.0
     );
+    running
+        .wait_health(
+            Duration::from_secs(15),
+            "ready once the partition is released",
+            |r| r.is_ready(),
+        )
+        .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     running.stop().await;
     db.assert_exactly_once(&expected).await;

@@ -27,40 +27,56 @@ use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource};
 /// librdkafka's mock cluster on its own thread (it is `!Send`); it lives until dropped.
 struct Mock {
     bootstrap: String,
-    topics: std_mpsc::Sender<(String, i32, std_mpsc::Sender<()>)>,
+    commands: std_mpsc::Sender<(MockCommand, std_mpsc::Sender<()>)>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+enum MockCommand {
+    Topic(String, i32),
+    /// Broker 1 up (`true`) or down.
+    Broker(bool),
 }
 
 impl Mock {
     fn start() -> Mock {
-        let (topics, rx) = std_mpsc::channel::<(String, i32, std_mpsc::Sender<()>)>();
+        let (commands, rx) = std_mpsc::channel::<(MockCommand, std_mpsc::Sender<()>)>();
         let (ready, bootstrap) = std_mpsc::channel();
         let thread = std::thread::spawn(move || {
             let cluster = MockCluster::new(1).expect("mock cluster");
             ready.send(cluster.bootstrap_servers()).unwrap();
-            for (name, partitions, done) in rx {
-                cluster.create_topic(&name, partitions, 1).unwrap();
+            for (command, done) in rx {
+                match command {
+                    MockCommand::Topic(name, partitions) => {
+                        cluster.create_topic(&name, partitions, 1).unwrap()
+                    }
+                    MockCommand::Broker(true) => cluster.broker_up(1).unwrap(),
+                    MockCommand::Broker(false) => cluster.broker_down(1).unwrap(),
+                }
                 let _ = done.send(());
             }
         });
         Mock {
             bootstrap: bootstrap.recv().unwrap(),
-            topics,
+            commands,
             thread: Some(thread),
         }
     }
 
-    fn topic(&self, name: &str, partitions: i32) {
+    fn call(&self, command: MockCommand) {
         let (done, wait) = std_mpsc::channel();
-        self.topics.send((name.into(), partitions, done)).unwrap();
+        self.commands.send((command, done)).unwrap();
         wait.recv().unwrap();
+    }
+
+    fn topic(&self, name: &str, partitions: i32) {
+        self.call(MockCommand::Topic(name.into(), partitions));
     }
 }
 
 impl Drop for Mock {
     fn drop(&mut self) {
         let (dead, _) = std_mpsc::channel();
-        self.topics = dead;
+        self.commands = dead;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -822,5 +838,77 @@ async fn outbox_to_default_consumer(brokers: &str, topic: &str) {
         assert_eq!(h.get_str("ce_source"), Some(source), "{}", start.id);
         assert_eq!(h.get_str("ce_type"), Some(kind), "{}", start.id);
     }
+    drop_db(db).await;
+}
+
+/// Two relays on one outbox; relay A's broker goes down, and every publish of its rounds fails:
+/// it reports the broker unavailable. Relay B (its broker up) takes and publishes every row.
+/// A's broker comes back, but A never gets a row of its own again: it must find out from the
+/// broker itself (`Publisher::probe`, a metadata request), or it would report an outage for
+/// ever (issue 26, item 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_in_an_outage_finds_out_the_broker_is_back_without_a_row_of_its_own() {
+    use txinbox::health::BrokerStatus;
+    init_tracing();
+    let topic = "outage";
+    let (a_cluster, b_cluster) = (Mock::start(), Mock::start());
+    a_cluster.topic(topic, 3);
+    b_cluster.topic(topic, 3);
+    let db = outbox_db().await;
+    for k in 0..6 {
+        let m = OutboxMessage::new(format!("k{k}-0"), topic, "x").with_key(format!("k{k}"));
+        outbox::write(&db.pool, &m).await.unwrap();
+    }
+    let fast = |brokers: &str| {
+        KafkaPublisher::builder(brokers)
+            .delivery_timeout(Duration::from_secs(1))
+            .build()
+            .expect("publisher")
+    };
+    let config = |name: &str| relay_config(name, 10).publish_timeout(Duration::from_secs(3));
+    let spawn = |relay: Relay<KafkaPublisher>| {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(relay.run_until(async {
+            let _ = stopped.await;
+        }));
+        (stop, task)
+    };
+
+    a_cluster.call(MockCommand::Broker(false));
+    let relay_a = Relay::new(db.pool.clone(), fast(&a_cluster.bootstrap), config("relay-a")).unwrap();
+    let health = relay_a.health();
+    let (stop_a, task_a) = spawn(relay_a);
+    wait_until(Duration::from_secs(30), "relay A reports the outage", || async {
+        health.report().broker == BrokerStatus::Disconnected
+    })
+    .await;
+    assert!(!health.report().is_ready());
+
+    let relay_b = Relay::new(db.pool.clone(), fast(&b_cluster.bootstrap), config("relay-b")).unwrap();
+    let (stop_b, task_b) = spawn(relay_b);
+    wait_until(Duration::from_secs(60), "relay B publishes every row", || async {
+        pending(&db).await == 0
+    })
+    .await;
+    assert_eq!(
+        health.report().broker,
+        BrokerStatus::Disconnected,
+        "A's broker is still down"
+    );
+
+    a_cluster.call(MockCommand::Broker(true));
+    wait_until(
+        Duration::from_secs(90),
+        "relay A reports the broker back",
+        || async {
+            let report = health.report();
+            report.broker == BrokerStatus::Connected && report.is_ready()
+        },
+    )
+    .await;
+    let _ = stop_a.send(());
+    let _ = stop_b.send(());
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
     drop_db(db).await;
 }
