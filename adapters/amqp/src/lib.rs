@@ -103,10 +103,12 @@ mod publisher;
 mod shared;
 mod source;
 pub mod telemetry;
+mod tls;
 
 pub use config::{
-    retry_queue_arguments, AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT,
-    DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
+    retry_queue_arguments, AmqpConfig, QueueType, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
+    DEFAULT_REQUEUE_DELAY,
 };
 pub use confirm::{confirmed, Unconfirmed};
 pub use delivery::AmqpDelivery;
@@ -114,6 +116,7 @@ pub use error::AmqpError;
 pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT};
 pub use shared::AmqpMonitor;
 pub use source::AmqpSource;
+pub use tls::AmqpTls;
 
 /// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].
 pub use lapin;
