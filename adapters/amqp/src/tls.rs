@@ -5,7 +5,9 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::uri::SASLMechanism;
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
@@ -192,8 +194,26 @@ fn broker(e: lapin::Error, uri: &AMQPUri) -> AmqpError {
 fn tls_hint(e: &lapin::Error, uri: &AMQPUri) -> Option<(String, bool)> {
     let host = &uri.authority.host;
     let port = uri.authority.port;
-    let lapin::ErrorKind::IOError(io) = e.kind() else {
-        return None;
+    let plaintext_to_tls = || {
+        (
+            format!("{host}:{port} did not answer with AMQP; if it is a TLS port (5671), use amqps://"),
+            false,
+        )
+    };
+    let io = match e.kind() {
+        lapin::ErrorKind::IOError(io) => io,
+        // A TLS server's alert read as an AMQP frame.
+        lapin::ErrorKind::ParsingError(_) if uri.scheme == AMQPScheme::AMQP => return Some(plaintext_to_tls()),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if uri.query.auth_mechanism == Some(SASLMechanism::External)
+                && matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)) =>
+        {
+            return Some((
+                "EXTERNAL logs in with the client certificate: give one (AmqpTls::client_certificate, --amqp-client-cert and --amqp-client-key) whose subject names a user of the broker (RabbitMQ: plugin rabbitmq_auth_mechanism_ssl, ssl_cert_login_from)".into(),
+                true,
+            ))
+        }
+        _ => return None,
     };
     if let Some(tls) = io
         .get_ref()
@@ -235,12 +255,7 @@ fn tls_hint(e: &lapin::Error, uri: &AMQPUri) -> Option<(String, bool)> {
             | std::io::ErrorKind::ConnectionAborted
             | std::io::ErrorKind::BrokenPipe
     );
-    (closed && uri.scheme == AMQPScheme::AMQP).then(|| {
-        (
-            format!("{host}:{port} closed the connection during the AMQP handshake; if it is a TLS port (5671), use amqps://"),
-            false,
-        )
-    })
+    (closed && uri.scheme == AMQPScheme::AMQP).then(plaintext_to_tls)
 }
 
 #[cfg(test)]
