@@ -261,6 +261,8 @@ fn stable_hash(s: &str) -> u64 {
 /// A RabbitMQ queue (with `.retry` and `.dlq`) made for one chaos run.
 pub struct Amqp {
     queue: String,
+    /// `classic` or `quorum`.
+    queue_type: String,
     /// The ledger's AMQP flags (queue type, TLS files), as arguments.
     flags: Vec<String>,
     connection: Connection,
@@ -295,6 +297,7 @@ impl Amqp {
         }
         Ok(Amqp {
             queue,
+            queue_type: flags.amqp_queue_type.to_string(),
             flags: flags.to_args(),
             connection,
             channel,
@@ -304,6 +307,11 @@ impl Amqp {
     /// The queue.
     pub fn queue(&self) -> &str {
         &self.queue
+    }
+
+    /// `classic` or `quorum`.
+    pub fn queue_type(&self) -> &str {
+        &self.queue_type
     }
 
     /// The ledger's broker flags (the URL goes in `AMQP_URL`).

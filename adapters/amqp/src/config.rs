@@ -84,7 +84,7 @@ const MAX_SHORT_STRING: usize = 255;
 /// | [`tls`](Self::tls) | none: `amqps://` verifies the broker against the system's root certificates |
 /// | [`declare_topology`](Self::declare_topology) | `true`: work queue, `<queue>.retry`, `<queue>.dlq`, all durable |
 /// | [`queue_type`](Self::queue_type) | classic work and dead-letter queues (the retry queue is always a quorum queue) |
-/// | [`delivery_limit`](Self::delivery_limit) | not declared; assumed 20 (RabbitMQ 4's default) for quorum queues |
+/// | [`delivery_limit`](Self::delivery_limit) | not declared; deliveries near 20 (RabbitMQ 4's default) are replaced by a fresh copy |
 /// | [`retry_queue`](Self::retry_queue) | `<queue>.retry` |
 /// | [`dead_letter_queue`](Self::dead_letter_queue) | `<queue>.dlq` |
 /// | [`lane_header`](Self::lane_header) | none: competing consumers, no ordering |
@@ -161,18 +161,24 @@ impl AmqpConfig {
     }
 
     /// The work queue's `x-delivery-limit` (quorum queues only): how many times the broker
-    /// gives a message back (a consumer that died or lost its connection with it
-    /// unacknowledged, a `basic.nack`) before it drops it or dead-letters it to the queue's own
+    /// gives a message back (its consumer died or lost its connection with it unacknowledged, a
+    /// `basic.nack`) before it drops the message, or dead-letters it to the queue's own
     /// dead-letter exchange, behind txinbox's back. Declared with a quorum work queue when set;
-    /// leave it unset for a queue declared without one.
+    /// leave it unset for a queue declared without one. At least 1.
     ///
-    /// Whatever the queue's limit, txinbox never lets the broker reach it: a delivery whose
-    /// `x-delivery-count` says the next give-back could be the last (count + 1 ≥ limit) is
-    /// republished to the work queue as a fresh copy (confirmed, then the original acked; its
-    /// count starts over) before the handler sees it. So a message leaves the queue only
-    /// through txinbox: processed, or dead-lettered and recorded in the database. Set this to
-    /// the queue's limit when it is below [`DEFAULT_DELIVERY_LIMIT`] (20, RabbitMQ 4's
-    /// default); at least 1.
+    /// txinbox never gives a message back on purpose (a retry is a copy through the retry
+    /// queue, then an ack), so the count grows only when consumers die or lose their
+    /// connection. And a delivery whose next give-back could be the broker's last
+    /// (`x-delivery-count` + 1 ≥ the limit) is replaced before the handler sees it: a fresh copy
+    /// goes to the work queue (confirmed, then the original is acked; its count starts over).
+    /// That keeps a live consumer's messages away from the limit. It cannot help a message that
+    /// waits in the prefetch buffer of consumers that die again and again before they reach it:
+    /// each death counts for every delivered message. So keep the limit far above the number
+    /// of crashes in a row you tolerate, or have none: RabbitMQ 3.x quorum queues have no
+    /// limit unless one is set; RabbitMQ 4 sets 20 by default, and `-1` (queue argument or
+    /// policy `delivery-limit`) turns it off there (on 3.x, `-1` drops a message at its first
+    /// give-back). Set this to the queue's limit when it is below [`DEFAULT_DELIVERY_LIMIT`]
+    /// (20, RabbitMQ 4's default).
     pub fn delivery_limit(mut self, limit: u32) -> Self {
         self.delivery_limit = Some(limit);
         self

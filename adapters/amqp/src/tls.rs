@@ -74,7 +74,7 @@ impl AmqpTls {
         uri: &str,
         properties: ConnectionProperties,
     ) -> Result<Connection, AmqpError> {
-        let parsed = self.check(uri, "uri")?;
+        let parsed = self.check(uri, "URI")?;
         let tls = self.load()?;
         let runtime = lapin::runtime::default_runtime().map_err(|e| broker(e, &parsed))?;
         Connection::connect_uri_with_config(parsed.clone(), properties, tls, runtime)
