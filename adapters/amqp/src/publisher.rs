@@ -322,6 +322,7 @@ mod tests {
             .with_headers(Headers::new().with("raw", &b"\xff"[..]).with(ID_HEADER, "forged"));
         let publisher = AmqpPublisher {
             uri: String::new(),
+            tls: AmqpTls::default(),
             exchange: ShortString::default(),
             source: "/billing".into(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
