@@ -158,16 +158,18 @@ async fn a_quorum_queue_never_drops_a_message_at_its_delivery_limit() {
         source.close().await.unwrap();
     }
 
+    // Still there. A copy may be there twice: when a consumer dies between a fresh copy's
+    // confirm and the original's ack, both come back (at least once; the inbox takes one).
     let mut source = AmqpSource::connect(config.clone()).await.unwrap();
-    let d = next(&mut source, Duration::from_secs(10))
-        .await
-        .expect("the message is still there");
-    assert_eq!(d.message().native_id(), Some("fragile"));
-    d.settle(Settlement::Ack).await.unwrap();
-    assert!(
-        next(&mut source, Duration::from_secs(1)).await.is_none(),
-        "one message, one delivery left: no copy stays behind"
-    );
+    let mut left = 0;
+    let mut within = Duration::from_secs(10);
+    while let Some(d) = next(&mut source, within).await {
+        assert_eq!(d.message().native_id(), Some("fragile"));
+        d.settle(Settlement::Ack).await.unwrap();
+        left += 1;
+        within = Duration::from_secs(1);
+    }
+    assert!(left >= 1, "the message is still there");
     source.close().await.unwrap();
     assert_eq!(ready(&ch, &queue).await, 0);
     assert_eq!(ready(&ch, &format!("{queue}.dlq")).await, 0);
