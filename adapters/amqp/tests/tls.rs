@@ -192,3 +192,36 @@ async fn a_client_certificate_on_a_plaintext_uri_is_refused_before_connecting() 
     assert!(matches!(e, AmqpError::Config(_)), "{e:?}");
     assert!(e.to_string().contains("use amqps://"), "{e}");
 }
+
+/// A name of 127.0.0.1 in /etc/hosts other than `localhost` (the certificate lists only
+/// `localhost` and `127.0.0.1`), if the machine has one.
+fn another_name_for_loopback() -> Option<String> {
+    let hosts = std::fs::read_to_string("/etc/hosts").ok()?;
+    hosts
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or_default())
+        .filter(|l| l.split_whitespace().next() == Some("127.0.0.1"))
+        .flat_map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .find(|name| !name.starts_with("localhost"))
+}
+
+#[tokio::test]
+async fn a_host_name_the_certificate_does_not_list_is_refused_with_what_to_do() {
+    let Some(name) = another_name_for_loopback() else {
+        eprintln!("skipped: no name for 127.0.0.1 in /etc/hosts besides localhost");
+        return;
+    };
+    let url = tls::amqps_url().replacen("127.0.0.1", &name, 1);
+    assert_ne!(url, tls::amqps_url(), "AMQPS_URL names 127.0.0.1");
+    let (error, fatal) = refused(&url, trusted()).await;
+    assert!(fatal, "{error}");
+    assert!(
+        error.contains(&format!("not valid for the host name {name:?}")),
+        "{error}"
+    );
+}
