@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use txinbox_amqp::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use txinbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use txinbox_amqp::lapin::{self, BasicProperties, Channel, Connection, ConnectionProperties};
-use txinbox_amqp::{confirmed, Unconfirmed};
+use txinbox_amqp::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use txinbox_amqp::{confirmed, AmqpError, AmqpTls, Unconfirmed};
 
 use crate::error::CliError;
+use crate::AmqpTlsFiles;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -19,25 +20,33 @@ pub struct Amqp {
 }
 
 impl Amqp {
-    /// Connects; errors name the broker without credentials.
-    pub async fn connect(url: &str) -> Result<Amqp, CliError> {
+    /// Connects, over TLS with `tls` for `amqps://`; errors name the broker without
+    /// credentials and say what to change.
+    pub async fn connect(url: &str, tls: &AmqpTlsFiles) -> Result<Amqp, CliError> {
         let unreachable = |detail: String| CliError::Unreachable {
             service: format!("RabbitMQ at {}", without_credentials(url)),
-            detail: format!("{detail} (check --amqp-url / AMQP_URL and that the broker runs)"),
+            detail: format!(
+                "{detail} (check --amqp-url / AMQP_URL, the --amqp-* TLS flags and that the broker runs)"
+            ),
         };
-        // Parsed here: lapin's parse error quotes the whole URL, password included.
-        let uri: lapin::uri::AMQPUri = url.parse().map_err(|_| {
-            CliError::BadArgs(
-                "--amqp-url / AMQP_URL does not parse; expected amqp://user:pass@host:port/vhost".into(),
-            )
-        })?;
-        let connection = tokio::time::timeout(
-            TIMEOUT,
-            Connection::connect_uri(uri, ConnectionProperties::default()),
-        )
-        .await
-        .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
-        .map_err(|e| unreachable(e.to_string()))?;
+        let mut settings = AmqpTls::new();
+        if let Some(ca) = &tls.amqp_ca_file {
+            settings = settings.ca_file(ca);
+        }
+        if let (Some(cert), Some(key)) = (&tls.amqp_client_cert, &tls.amqp_client_key) {
+            settings = settings.client_certificate(cert, key);
+        }
+        let connection =
+            tokio::time::timeout(TIMEOUT, settings.connect(url, ConnectionProperties::default()))
+                .await
+                .map_err(|_| unreachable(format!("no answer within {TIMEOUT:?}")))?
+                .map_err(|e| match e {
+                    // Its message names --amqp-url's setting and hides the password.
+                    AmqpError::Config(m) => {
+                        CliError::BadArgs(format!("--amqp-url / AMQP_URL and the --amqp-* TLS flags: {m}"))
+                    }
+                    other => unreachable(other.to_string()),
+                })?;
         let channel = connection
             .create_channel()
             .await
@@ -107,9 +116,12 @@ fn without_credentials(url: &str) -> String {
 }
 
 /// Whether a stored header is broker or txinbox bookkeeping that must not travel with a
-/// requeued copy (RabbitMQ's `x-death`, txinbox's retry counter and dead-letter headers).
+/// requeued copy (RabbitMQ's `x-death` and quorum queues' delivery counters, txinbox's retry
+/// counter and dead-letter headers).
 pub fn is_bookkeeping(name: &str) -> bool {
     name == "x-death"
+        || name == txinbox_amqp::headers::DELIVERY_COUNT
+        || name == txinbox_amqp::headers::ACQUIRED_COUNT
         || name.starts_with("x-first-death")
         || name.starts_with("x-last-death")
         || name.starts_with("x-txinbox-")

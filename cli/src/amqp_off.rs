@@ -7,7 +7,7 @@ use crate::error::CliError;
 pub enum Amqp {}
 
 impl Amqp {
-    pub async fn connect(_url: &str) -> Result<Amqp, CliError> {
+    pub async fn connect(_url: &str, _tls: &crate::AmqpTlsFiles) -> Result<Amqp, CliError> {
         Err(CliError::BadArgs(
             "this txinbox was built without the `amqp` feature; rebuild with it to requeue RabbitMQ dead letters".into(),
         ))

@@ -70,9 +70,12 @@ struct Cli {
     /// requeues.
     #[arg(long, global = true, env = "KAFKA_BROKERS", hide_env_values = true)]
     brokers: Option<String>,
-    /// RabbitMQ URL (amqp://user:pass@host:port/vhost), for requeueing RabbitMQ dead letters.
+    /// RabbitMQ URL (amqp://user:pass@host:port/vhost, or amqps:// for TLS), for requeueing
+    /// RabbitMQ dead letters.
     #[arg(long, global = true, env = "AMQP_URL", hide_env_values = true)]
     amqp_url: Option<String>,
+    #[command(flatten)]
+    amqp_tls: AmqpTlsFiles,
     #[command(subcommand)]
     command: Command,
 }
@@ -403,12 +406,41 @@ impl Report {
     }
 }
 
+/// The TLS files of an `amqps://` RabbitMQ connection.
+#[derive(Debug, Clone, Default, Args)]
+pub(crate) struct AmqpTlsFiles {
+    /// RabbitMQ over TLS: a PEM file of CA certificates that sign the broker's certificate
+    /// (trusted besides the system's roots).
+    #[arg(long, global = true, env = "AMQP_CA_FILE", hide_env_values = true)]
+    pub(crate) amqp_ca_file: Option<std::path::PathBuf>,
+    /// RabbitMQ over TLS: a client certificate (PEM), e.g. for SASL EXTERNAL
+    /// (`amqps://host/vhost?auth_mechanism=external`); with --amqp-client-key.
+    #[arg(
+        long,
+        global = true,
+        env = "AMQP_CLIENT_CERT",
+        hide_env_values = true,
+        requires = "amqp_client_key"
+    )]
+    pub(crate) amqp_client_cert: Option<std::path::PathBuf>,
+    /// RabbitMQ over TLS: the client certificate's private key (PEM, unencrypted).
+    #[arg(
+        long,
+        global = true,
+        env = "AMQP_CLIENT_KEY",
+        hide_env_values = true,
+        requires = "amqp_client_cert"
+    )]
+    pub(crate) amqp_client_key: Option<std::path::PathBuf>,
+}
+
 /// What commands get: output mode, and lazily the services.
 pub(crate) struct Env {
     json: bool,
     database_url: Option<String>,
     brokers: Option<String>,
     amqp_url: Option<String>,
+    amqp_tls: AmqpTlsFiles,
 }
 
 impl Env {
@@ -504,7 +536,7 @@ impl Env {
         let url = self.amqp_url.as_deref().ok_or_else(|| {
             CliError::BadArgs(format!("{why} needs RabbitMQ: pass --amqp-url or set AMQP_URL"))
         })?;
-        amqp::Amqp::connect(url).await
+        amqp::Amqp::connect(url, &self.amqp_tls).await
     }
 
     /// A progress bar on stderr, hidden with `--json` or when stderr is not a terminal.
@@ -597,6 +629,7 @@ fn main() {
         database_url: cli.database_url,
         brokers: cli.brokers,
         amqp_url: cli.amqp_url,
+        amqp_tls: cli.amqp_tls,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -857,6 +857,86 @@ async fn rabbitmq_dead_letter_requeue_applies_once_then_is_a_duplicate() {
     );
 }
 
+/// A RabbitMQ dead letter requeued over `amqps://` to the TLS-only node, trusting the test CA
+/// with `--amqp-ca-file`: the copy arrives with its `message_id`. With a CA that did not sign
+/// the broker's certificate the requeue is refused (exit 3) saying what to give, and the dead
+/// letter stays pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_dead_letter_requeue_over_tls_verifies_the_broker() {
+    use txinbox_amqp::lapin::options::{BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions};
+    let db = TestDb::new().await;
+    let queue = format!("cli-tls-{}", consumer_name());
+    let tls = txinbox_amqp::AmqpTls::new().ca_file(tls_file("ca.pem"));
+    let conn = tls
+        .connect(&amqps_url(), txinbox_amqp::lapin::ConnectionProperties::default())
+        .await
+        .expect("connect to the TLS node (scripts/test starts it)");
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    db.exec(&format!(
+        "INSERT INTO txinbox.dead_letters (consumer, message_id, id_strategy, fingerprint, reason, error,
+                                           attempts, payload, headers, source_system, destination)
+         VALUES ('c', 'tls-1', 'native', sha256('{{}}'::bytea), 'permanent_error', 'x', 1,
+                 '{{}}', '[]', 'rabbitmq', '{queue}')"
+    ))
+    .await;
+    let id = db
+        .scalar("SELECT max(id) FROM txinbox.dead_letters")
+        .await
+        .to_string();
+    let requeue = |ca: &str| {
+        let (db_url, ca) = (db.url.clone(), tls_file(ca));
+        let id = id.clone();
+        async move {
+            tokio::process::Command::new(env!("CARGO_BIN_EXE_txinbox"))
+                .args(["dead-letters", "requeue", &id, "--amqp-ca-file", &ca])
+                .env("DATABASE_URL", &db_url)
+                .env("AMQP_URL", amqps_url())
+                .env_remove("KAFKA_BROKERS")
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+
+    let refused = requeue("other-ca.pem").await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("not signed by a CA this client trusts") && stderr.contains("--amqp-ca-file"),
+        "{stderr}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM txinbox.dead_letters WHERE requeued_at IS NULL")
+            .await,
+        1,
+        "still pending"
+    );
+
+    let done = requeue("ca.pem").await;
+    assert!(done.status.success(), "{done:?}");
+    let copy = channel
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the requeued copy is in the queue");
+    assert_eq!(
+        copy.delivery.properties.message_id().as_ref().map(|s| s.as_str()),
+        Some("tls-1")
+    );
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    let _ = conn.close(200, "done".into()).await;
+}
+
 /// Replay to a time: the start is the first record at or after it (Kafka `offsets_for_times`).
 /// (Runs on tansu, which answers timestamp lookups; real Kafka semantics are the same API.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -258,6 +258,28 @@ async fn requeue_never_shows_broker_credentials() {
             runs.push(attempt(env, a, secret));
         }
     }
+    // amqps:// to the TLS-only node: a wrong password over verified TLS, a CA that did not sign
+    // the broker's certificate, and TLS files with a plaintext URL (refused before connecting).
+    let tls_host = amqps_url()
+        .split_once('@')
+        .map(|(_, h)| h.to_owned())
+        .unwrap_or_else(|| "127.0.0.1:5671/%2f".into());
+    for (url, ca) in [
+        (format!("amqps://guest:Kx9-Secret-Tail@{tls_host}"), "ca.pem"),
+        (
+            format!("amqps://guest:Kx9-Secret-Tail@{tls_host}"),
+            "other-ca.pem",
+        ),
+        (format!("amqp://guest:Kx9-Secret-Tail@{amqp_host}"), "ca.pem"),
+    ] {
+        for json in [false, true] {
+            let mut a = if json { args(&["--json"]) } else { Vec::new() };
+            a.extend(args(&["--amqp-ca-file", &tls_file(ca)]));
+            a.extend(args(&["dead-letters", "requeue", &amqp_id]));
+            let env = vec![("DATABASE_URL", db.url.clone()), ("AMQP_URL", url.clone())];
+            runs.push(attempt(env, a, "Kx9-Secret-Tail"));
+        }
+    }
     let found = leaks(runs).await;
     assert!(found.is_empty(), "runs show a secret:\n{}", found.join("\n"));
     // They reached the broker step: nothing was requeued, both are still pending.
@@ -275,6 +297,9 @@ async fn help_never_shows_the_environment_values() {
         ("DATABASE_URL", "postgres://app:Kx9-Secret-Tail@db/app".to_owned()),
         ("KAFKA_BROKERS", "sasl_ssl://op:Kx9-Secret-Tail@k:9093".to_owned()),
         ("AMQP_URL", "amqp://app:Kx9-Secret-Tail@mq/%2f".to_owned()),
+        ("AMQP_CA_FILE", "/etc/Kx9-Secret-Tail/ca.pem".to_owned()),
+        ("AMQP_CLIENT_CERT", "/etc/Kx9-Secret-Tail/client.pem".to_owned()),
+        ("AMQP_CLIENT_KEY", "/etc/Kx9-Secret-Tail/client.key".to_owned()),
     ];
     let mut runs = Vec::new();
     for command in [

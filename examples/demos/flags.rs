@@ -7,6 +7,10 @@
 //! Every flag read from the environment hides its value in `--help` (`hide_env_values`): these
 //! values hold passwords.
 
+use std::path::PathBuf;
+
+use txinbox_amqp::{AmqpConfig, AmqpTls, QueueType};
+
 /// `--database-url` / `DATABASE_URL`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Postgres {
@@ -36,10 +40,12 @@ pub struct Kafka {
     pub brokers: String,
 }
 
-/// `--amqp-url` / `AMQP_URL`.
+/// `--amqp-url` / `AMQP_URL`, the TLS files of `amqps://`, and the queues the consumer declares.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Amqp {
-    /// AMQP: the broker URI (`amqps://` for TLS). Its value is never printed.
+    /// AMQP: the broker URI (`amqps://` for TLS, verified against the system's root certificates
+    /// and --amqp-ca-file; `?auth_mechanism=external` to log in with --amqp-client-cert). Its
+    /// value is never printed.
     #[arg(
         long,
         env = "AMQP_URL",
@@ -47,6 +53,96 @@ pub struct Amqp {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     pub amqp_url: String,
+    /// AMQP over TLS: a PEM file of CA certificates that sign the broker's certificate (trusted
+    /// besides the system's roots).
+    #[arg(long, env = "AMQP_CA_FILE", hide_env_values = true)]
+    pub amqp_ca_file: Option<PathBuf>,
+    /// AMQP over TLS: a client certificate (PEM) to present, e.g. for SASL EXTERNAL; with
+    /// --amqp-client-key.
+    #[arg(
+        long,
+        env = "AMQP_CLIENT_CERT",
+        hide_env_values = true,
+        requires = "amqp_client_key"
+    )]
+    pub amqp_client_cert: Option<PathBuf>,
+    /// AMQP over TLS: the client certificate's private key (PEM, unencrypted).
+    #[arg(
+        long,
+        env = "AMQP_CLIENT_KEY",
+        hide_env_values = true,
+        requires = "amqp_client_cert"
+    )]
+    pub amqp_client_key: Option<PathBuf>,
+    /// AMQP: the type of the work and dead-letter queues the consumer declares, `classic` or
+    /// `quorum`; it must match queues declared beforehand (the retry queue is a quorum queue
+    /// either way).
+    #[arg(
+        long,
+        env = "AMQP_QUEUE_TYPE",
+        hide_env_values = true,
+        default_value = "classic"
+    )]
+    pub amqp_queue_type: QueueType,
+    /// AMQP, quorum queues: the work queue's `x-delivery-limit` (declared, and kept below: a
+    /// message near it is republished as a fresh copy, never dropped by the broker). Default:
+    /// not declared, 20 assumed (RabbitMQ 4's default).
+    #[arg(long, env = "AMQP_DELIVERY_LIMIT", hide_env_values = true)]
+    pub amqp_delivery_limit: Option<u32>,
+    /// AMQP: declare the work, retry and dead-letter queues (`false`: use them as they are,
+    /// declared elsewhere with arguments of their own).
+    #[arg(
+        long,
+        env = "AMQP_DECLARE",
+        hide_env_values = true,
+        default_value_t = true,
+        action = clap::ArgAction::Set
+    )]
+    pub amqp_declare: bool,
+}
+
+impl Amqp {
+    /// The TLS files as the adapter takes them.
+    pub fn tls(&self) -> AmqpTls {
+        let mut tls = AmqpTls::new();
+        if let Some(ca) = &self.amqp_ca_file {
+            tls = tls.ca_file(ca);
+        }
+        if let (Some(cert), Some(key)) = (&self.amqp_client_cert, &self.amqp_client_key) {
+            tls = tls.client_certificate(cert, key);
+        }
+        tls
+    }
+
+    /// A source configuration for `queue` with these flags.
+    pub fn config(&self, queue: &str) -> AmqpConfig {
+        let mut config = AmqpConfig::new(&self.amqp_url, queue)
+            .tls(self.tls())
+            .queue_type(self.amqp_queue_type)
+            .declare_topology(self.amqp_declare);
+        if let Some(limit) = self.amqp_delivery_limit {
+            config = config.delivery_limit(limit);
+        }
+        config
+    }
+
+    /// These flags as arguments for another program that flattens [`Amqp`] (the crash matrix
+    /// starting ledgers), all but the URL: it may hold a password, so it goes in `AMQP_URL`.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec![
+            format!("--amqp-queue-type={}", self.amqp_queue_type),
+            format!("--amqp-declare={}", self.amqp_declare),
+        ];
+        let path = |flag: &str, p: &Option<PathBuf>| p.as_ref().map(|p| format!("--{flag}={}", p.display()));
+        args.extend(path("amqp-ca-file", &self.amqp_ca_file));
+        args.extend(path("amqp-client-cert", &self.amqp_client_cert));
+        args.extend(path("amqp-client-key", &self.amqp_client_key));
+        args.extend(
+            self.amqp_delivery_limit
+                .map(|l| format!("--amqp-delivery-limit={l}")),
+        );
+        args
+    }
 }
 
 /// librdkafka properties from one `--kafka-property` (or its environment variable), in order.

@@ -25,6 +25,11 @@
 //!     --amqp-url amqp://guest:guest@127.0.0.1:5672/%2f --queue payments \
 //!     --database-url postgres://postgres@127.0.0.1:5432/postgres
 //!
+//! # RabbitMQ over TLS, a quorum queue declared beforehand, a private CA
+//! cargo run --release --example ledger -- --source amqp \
+//!     --amqp-url 'amqps://ledger:secret@rabbit.internal:5671/%2f' --amqp-ca-file ca.pem \
+//!     --amqp-queue-type quorum --queue payments
+//!
 //! # Kafka: the topic `payments` (and `payments.dlq`) must exist or be auto-created
 //! cargo run --release --example ledger -- --source kafka \
 //!     --brokers 127.0.0.1:9092 --topic payments --group ledger \
@@ -39,7 +44,7 @@
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use txinbox::{Consumer, PostgresInbox};
-use txinbox_amqp::{AmqpConfig, AmqpSource};
+use txinbox_amqp::AmqpSource;
 use txinbox_demos::flags;
 use txinbox_demos::payments::{create_tables, Ledger};
 use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
@@ -83,7 +88,7 @@ struct Args {
     #[command(flatten)]
     amqp: flags::Amqp,
     /// AMQP: the queue of payment events (declared if missing, with `<queue>.retry` and
-    /// `<queue>.dlq`).
+    /// `<queue>.dlq`, of --amqp-queue-type).
     #[arg(long, env = "AMQP_QUEUE", hide_env_values = true, default_value = "payments")]
     queue: String,
     #[command(flatten)]
@@ -143,9 +148,9 @@ async fn main() -> anyhow::Result<()> {
                 .await
         }
         Source::Amqp => {
-            let source = AmqpSource::connect(AmqpConfig::new(&args.amqp.amqp_url, &args.queue))
-                .await
-                .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
+            let source = AmqpSource::connect(args.amqp.config(&args.queue)).await.context(
+                "connecting to RabbitMQ failed; check --amqp-url / AMQP_URL and the --amqp-* flags",
+            )?;
             #[cfg(feature = "crash-points")]
             let source = txinbox_demos::sabotage::from_env(source);
             tracing::info!(queue = %args.queue, "ledger consuming from RabbitMQ");

@@ -8,8 +8,12 @@
 #   ensure_postgres             PostgreSQL on 127.0.0.1:5432, trust auth; exports DATABASE_URL and
 #                               TXINBOX_PG_BIN (initdb/pg_ctl for tests that run a private cluster)
 #   ensure_rabbitmq             RabbitMQ on 127.0.0.1:5672; exports AMQP_URL
+#   ensure_rabbitmq_tls         a second RabbitMQ node (txinbox-tls@localhost), TLS only, on
+#                               127.0.0.1:5671, with the certificates of ensure_test_certs
+#                               (scripts/lib/tls.sh; call that first); exports AMQPS_URL
 #
-# Variables already set by the caller (DATABASE_URL, AMQP_URL, TXINBOX_PG_BIN) are respected.
+# Variables already set by the caller (DATABASE_URL, AMQP_URL, AMQPS_URL, TXINBOX_PG_BIN) are
+# respected.
 # Safe under `set -euo pipefail`.
 
 # Run a command as root: directly when root, else through sudo.
@@ -186,5 +190,125 @@ ensure_rabbitmq() {
         echo "rabbitmq: already running (127.0.0.1:5672)"
     else
         echo "rabbitmq: $(_txinbox_join "${did[@]}") (127.0.0.1:5672)"
+    fi
+}
+
+# The TLS node's files: config, plugins, data, logs (owned by the rabbitmq user, who runs it).
+_txinbox_rabbitmq_tls_dir() {
+    echo "${TXINBOX_RABBITMQ_TLS_DIR:-/var/lib/txinbox/rabbitmq-tls}"
+}
+
+_TXINBOX_RABBITMQ_TLS_NODE=txinbox-tls@localhost
+
+# rabbitmqctl against the TLS node (the Debian wrapper runs it as the rabbitmq user, whose
+# Erlang cookie both nodes share).
+_txinbox_rabbitmq_tls_ctl() {
+    _txinbox_as_root rabbitmqctl -q -n "$_TXINBOX_RABBITMQ_TLS_NODE" "$@"
+}
+
+# Starts the TLS node with its own node name, data, logs, config and plugins, so the shared node
+# on 5672 is never touched. RABBITMQ_CONF_ENV_FILE points away from /etc/rabbitmq/rabbitmq-env.conf
+# (which names the shared node); the distribution port is fixed and free (the shared node's is
+# 25672); the management plugin stays off.
+_txinbox_rabbitmq_tls_start() {
+    local dir=$1
+    _txinbox_as_root env \
+        RABBITMQ_NODENAME="$_TXINBOX_RABBITMQ_TLS_NODE" \
+        RABBITMQ_CONF_ENV_FILE="$dir/rabbitmq-env.conf" \
+        RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf" \
+        RABBITMQ_ADVANCED_CONFIG_FILE="$dir/advanced.config" \
+        RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
+        RABBITMQ_MNESIA_BASE="$dir/mnesia" \
+        RABBITMQ_LOG_BASE="$dir/log" \
+        RABBITMQ_PID_FILE="$dir/pid" \
+        RABBITMQ_DIST_PORT=25671 \
+        ERL_EPMD_ADDRESS=127.0.0.1 \
+        ERL_FLAGS="-kernel inet_dist_use_interface {127,0,0,1}" \
+        rabbitmq-server -detached >/dev/null
+}
+
+# The TLS node's rabbitmq.conf for certificates in $1. TLS only: no plaintext listener.
+# verify_peer checks a client certificate when one is sent (EXTERNAL logs in as its CN);
+# fail_if_no_peer_cert = false lets PLAIN clients connect without one.
+_txinbox_rabbitmq_tls_conf() {
+    printf '%s\n' \
+        'listeners.tcp = none' \
+        'listeners.ssl.default = 127.0.0.1:5671' \
+        "ssl_options.cacertfile = $1/ca.pem" \
+        "ssl_options.certfile = $1/server.pem" \
+        "ssl_options.keyfile = $1/server.key" \
+        'ssl_options.verify = verify_peer' \
+        'ssl_options.fail_if_no_peer_cert = false' \
+        'auth_mechanisms.1 = PLAIN' \
+        'auth_mechanisms.2 = AMQPLAIN' \
+        'auth_mechanisms.3 = EXTERNAL' \
+        'ssl_cert_login_from = common_name'
+}
+
+ensure_rabbitmq_tls() {
+    local dir tls did=() i stamp
+    dir=$(_txinbox_rabbitmq_tls_dir)
+    tls=${TXINBOX_TLS_DIR:-/var/lib/txinbox/tls}
+    if [ -n "${AMQPS_URL:-}" ]; then
+        echo "rabbitmq-tls: using AMQPS_URL (given)"
+        return 0
+    fi
+    if [ ! -s "$tls/server.pem" ] || [ ! -s "$tls/ca.pem" ]; then
+        echo "error: no test certificates in $tls; run ensure_test_certs (scripts/lib/tls.sh) first" >&2
+        return 1
+    fi
+    if ! command -v rabbitmq-server >/dev/null 2>&1 && [ ! -x /usr/sbin/rabbitmq-server ]; then
+        _txinbox_apt_install rabbitmq-server
+        did+=(installed)
+    fi
+    case ":$PATH:" in *:/usr/sbin:*) ;; *) export PATH="$PATH:/usr/sbin" ;; esac
+
+    _txinbox_as_root mkdir -p "$dir/log" "$dir/mnesia"
+    _txinbox_rabbitmq_tls_conf "$tls" | _txinbox_as_root tee "$dir/rabbitmq.conf" >/dev/null
+    echo '[rabbitmq_auth_mechanism_ssl].' | _txinbox_as_root tee "$dir/enabled_plugins" >/dev/null
+    echo '[].' | _txinbox_as_root tee "$dir/advanced.config" >/dev/null
+    _txinbox_as_root touch "$dir/rabbitmq-env.conf"
+    _txinbox_as_root chown -R rabbitmq:rabbitmq "$dir"
+    # What the running node was started with: a change of configuration or certificates
+    # restarts it (this node only).
+    stamp=$({ _txinbox_rabbitmq_tls_conf "$tls"; cat "$tls/ca.pem" "$tls/server.pem"; } | sha256sum | cut -c1-16)
+
+    if _txinbox_port_open 5671 && [ "$(cat "$dir/started" 2>/dev/null || true)" != "$stamp" ] &&
+        _txinbox_rabbitmq_tls_ctl ping >/dev/null 2>&1; then
+        _txinbox_rabbitmq_tls_ctl stop >/dev/null 2>&1 || true
+        for ((i = 0; i < 30; i++)); do
+            _txinbox_port_open 5671 || break
+            sleep 1
+        done
+        did+=("restarted (configuration or certificates changed)")
+    fi
+    if ! _txinbox_port_open 5671; then
+        _txinbox_rabbitmq_tls_start "$dir"
+        [[ " ${did[*]} " == *restarted* ]] || did+=(started)
+        for ((i = 0; i < 90; i++)); do
+            _txinbox_port_open 5671 && break
+            sleep 1
+        done
+        if ! _txinbox_port_open 5671; then
+            echo "error: the TLS RabbitMQ node is not listening on 127.0.0.1:5671 after 90s; see $dir/log/" >&2
+            return 1
+        fi
+        _txinbox_rabbitmq_tls_ctl -t 30 await_startup >/dev/null
+        echo "$stamp" | _txinbox_as_root tee "$dir/started" >/dev/null
+    fi
+
+    # The client certificate's CN logs in with EXTERNAL: a user without a password.
+    if ! _txinbox_rabbitmq_tls_ctl list_users --no-table-headers 2>/dev/null | grep -q '^txinbox-client[[:space:]]'; then
+        _txinbox_rabbitmq_tls_ctl add_user txinbox-client "$(head -c 24 /dev/urandom | base64)" >/dev/null
+        _txinbox_rabbitmq_tls_ctl clear_password txinbox-client >/dev/null
+        _txinbox_rabbitmq_tls_ctl set_permissions -p / txinbox-client '.*' '.*' '.*' >/dev/null
+        did+=("added user txinbox-client")
+    fi
+
+    export AMQPS_URL="${AMQPS_URL:-amqps://guest:guest@127.0.0.1:5671/%2f}"
+    if [ ${#did[@]} -eq 0 ]; then
+        echo "rabbitmq-tls: already running ($_TXINBOX_RABBITMQ_TLS_NODE, TLS only on 127.0.0.1:5671)"
+    else
+        echo "rabbitmq-tls: $(_txinbox_join "${did[@]}") ($_TXINBOX_RABBITMQ_TLS_NODE, TLS only on 127.0.0.1:5671)"
     fi
 }

@@ -261,29 +261,31 @@ fn stable_hash(s: &str) -> u64 {
 /// A RabbitMQ queue (with `.retry` and `.dlq`) made for one chaos run.
 pub struct Amqp {
     queue: String,
+    /// `classic` or `quorum`.
+    queue_type: String,
+    /// The ledger's AMQP flags (queue type, TLS files), as arguments.
+    flags: Vec<String>,
     connection: Connection,
     channel: Channel,
 }
 
 impl Amqp {
-    /// Declares `ledger-chaos-<tag>` with its retry and dead-letter queues, as the ledger would.
-    pub async fn create(url: &str, tag: &str) -> anyhow::Result<Amqp> {
+    /// Declares `ledger-chaos-<tag>` with its retry and dead-letter queues beforehand, as the
+    /// ledger would with the same flags (`--amqp-queue-type`: classic or quorum).
+    pub async fn create(flags: &txinbox_demos::flags::Amqp, tag: &str) -> anyhow::Result<Amqp> {
         let queue = format!("ledger-chaos-{tag}");
         let connection = tokio::time::timeout(
             Duration::from_secs(10),
-            Connection::connect(url, ConnectionProperties::default()),
+            flags
+                .tls()
+                .connect(&flags.amqp_url, ConnectionProperties::default()),
         )
         .await
         .context("no answer from RabbitMQ within 10 s; check --amqp-url / AMQP_URL")?
-        .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL")?;
+        .context("connecting to RabbitMQ failed; check --amqp-url / AMQP_URL and the --amqp-* flags")?;
         let channel = connection.create_channel().await?;
         channel.confirm_select(ConfirmSelectOptions::default()).await?;
-        for name in [queue.clone(), format!("{queue}.retry"), format!("{queue}.dlq")] {
-            let arguments = if name.ends_with(".retry") {
-                txinbox_amqp::retry_queue_arguments(&queue)
-            } else {
-                FieldTable::default()
-            };
+        for (name, arguments) in flags.config(&queue).topology() {
             let options = QueueDeclareOptions {
                 durable: true,
                 ..Default::default()
@@ -295,6 +297,8 @@ impl Amqp {
         }
         Ok(Amqp {
             queue,
+            queue_type: flags.amqp_queue_type.to_string(),
+            flags: flags.to_args(),
             connection,
             channel,
         })
@@ -305,9 +309,16 @@ impl Amqp {
         &self.queue
     }
 
+    /// `classic` or `quorum`.
+    pub fn queue_type(&self) -> &str {
+        &self.queue_type
+    }
+
     /// The ledger's broker flags (the URL goes in `AMQP_URL`).
     pub fn ledger_args(&self) -> Vec<String> {
-        vec!["--source=amqp".into(), format!("--queue={}", self.queue)]
+        let mut args = vec!["--source=amqp".into(), format!("--queue={}", self.queue)];
+        args.extend(self.flags.iter().cloned());
+        args
     }
 
     /// Publishes persistent messages with their ID as `message_id` and waits for every

@@ -67,7 +67,7 @@ pub(crate) async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Ch
             )
             .await?,
         ),
-        _ => Side::Amqp(Box::new(Amqp::create(&args.amqp.amqp_url, &tag).await?)),
+        _ => Side::Amqp(Box::new(Amqp::create(&args.amqp, &tag).await?)),
     };
     let db = Database::create(database_url, &format!("ledger_chaos_{}", tag.replace('-', "_"))).await?;
     let logs = std::env::temp_dir().join(format!("txinbox-chaos-{source}-{tag}"));

@@ -23,7 +23,7 @@ impl Side {
     pub(crate) fn name(&self) -> String {
         match self {
             Side::Kafka(k) => format!("topic {}", k.topic()),
-            Side::Amqp(a) => format!("queue {}", a.queue()),
+            Side::Amqp(a) => format!("{} queue {}", a.queue_type(), a.queue()),
         }
     }
 

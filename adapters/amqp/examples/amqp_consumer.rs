@@ -23,11 +23,11 @@
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{BasicProperties, ConnectionProperties};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, Postgres};
 use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
-use txinbox_amqp::{AmqpConfig, AmqpSource};
+use txinbox_amqp::{AmqpConfig, AmqpSource, AmqpTls};
 
 /// Publishes a few demo deposits to RabbitMQ and applies them effectively once, until Ctrl-C.
 ///
@@ -36,7 +36,7 @@ use txinbox_amqp::{AmqpConfig, AmqpSource};
 #[derive(Debug, clap::Parser)]
 #[command(name = "amqp_consumer")]
 struct Args {
-    /// The RabbitMQ URI. Its value is never printed.
+    /// The RabbitMQ URI (`amqps://` for TLS). Its value is never printed.
     #[arg(
         long,
         env = "AMQP_URL",
@@ -44,6 +44,10 @@ struct Args {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
+    /// TLS: a PEM file of CA certificates that sign the broker's certificate (trusted besides
+    /// the system's roots).
+    #[arg(long, env = "AMQP_CA_FILE", hide_env_values = true)]
+    amqp_ca_file: Option<std::path::PathBuf>,
     /// The PostgreSQL database of the inbox and the balances. Its value is never printed.
     #[arg(
         long,
@@ -89,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
     // redaction.
     let Args {
         amqp_url,
+        amqp_ca_file,
         database_url,
     } = <Args as clap::Parser>::try_parse().unwrap_or_else(|e| {
         let text = e.render().to_string();
@@ -116,9 +121,10 @@ async fn main() -> anyhow::Result<()> {
     .await?;
 
     // Connecting declares the work queue, its retry queue and its dead-letter queue.
-    let config = AmqpConfig::new(&amqp_url, QUEUE).prefetch(32);
+    let tls = amqp_ca_file.map_or_else(AmqpTls::new, |ca| AmqpTls::new().ca_file(ca));
+    let config = AmqpConfig::new(&amqp_url, QUEUE).prefetch(32).tls(tls.clone());
     let source = AmqpSource::connect(config).await?;
-    publish_demo_messages(&amqp_url).await?;
+    publish_demo_messages(&amqp_url, &tls).await?;
 
     let consumer = Consumer::builder("example-deposits")
         .source(source)
@@ -152,11 +158,11 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// Publishes `dep-<run>-1` twice, `dep-<run>-2` once and one message without `message_id`.
-async fn publish_demo_messages(amqp_url: &str) -> anyhow::Result<()> {
+async fn publish_demo_messages(amqp_url: &str, tls: &AmqpTls) -> anyhow::Result<()> {
     let run = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
-    let conn = Connection::connect(amqp_url, ConnectionProperties::default()).await?;
+    let conn = tls.connect(amqp_url, ConnectionProperties::default()).await?;
     let channel = conn.create_channel().await?;
     channel.confirm_select(ConfirmSelectOptions::default()).await?;
     let first = format!("dep-{run}-1");

@@ -3,7 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
+use lapin::types::{AMQPValue, FieldTable};
+
 use crate::error::AmqpError;
+use crate::tls::AmqpTls;
 
 /// Default [`AmqpConfig::prefetch`].
 pub const DEFAULT_PREFETCH: u16 = 64;
@@ -17,6 +20,53 @@ pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
 /// Default [`AmqpConfig::requeue_delay`].
 pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(5);
+/// Default [`AmqpConfig::delivery_limit`]: RabbitMQ 4's default `delivery-limit` of quorum
+/// queues.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+/// The type of the work and dead-letter queues the source declares
+/// ([`AmqpConfig::queue_type`]). The retry queue is a quorum queue with either: its
+/// dead-lettering back to the work queue must be at least once, which only quorum queues do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// A classic queue (`x-queue-type` not set): the default, and what RabbitMQ declares
+    /// without arguments.
+    #[default]
+    Classic,
+    /// A quorum queue (`x-queue-type = quorum`): replicated, the type RabbitMQ recommends for
+    /// data that must not be lost (RabbitMQ 4 has no classic mirroring).
+    Quorum,
+}
+
+impl QueueType {
+    /// `classic` or `quorum`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
+}
+
+impl fmt::Display for QueueType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for QueueType {
+    type Err = String;
+
+    /// `classic` or `quorum` (any case).
+    fn from_str(s: &str) -> Result<QueueType, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "classic" => Ok(QueueType::Classic),
+            "quorum" => Ok(QueueType::Quorum),
+            _ => Err(format!("unknown queue type {s:?}: expected classic or quorum")),
+        }
+    }
+}
 
 /// AMQP names (queues, consumer tags, headers) are AMQP short strings: at most 255 bytes.
 const MAX_SHORT_STRING: usize = 255;
@@ -31,7 +81,10 @@ const MAX_SHORT_STRING: usize = 255;
 /// |---|---|
 /// | [`prefetch`](Self::prefetch) | 64 (`basic.qos`, per consumer, re-applied on every reconnect) |
 /// | [`consumer_tag`](Self::consumer_tag) | `txinbox-<pid>-<n>` |
+/// | [`tls`](Self::tls) | none: `amqps://` verifies the broker against the system's root certificates |
 /// | [`declare_topology`](Self::declare_topology) | `true`: work queue, `<queue>.retry`, `<queue>.dlq`, all durable |
+/// | [`queue_type`](Self::queue_type) | classic work and dead-letter queues (the retry queue is always a quorum queue) |
+/// | [`delivery_limit`](Self::delivery_limit) | not declared; deliveries near 20 (RabbitMQ 4's default) are replaced by a fresh copy |
 /// | [`retry_queue`](Self::retry_queue) | `<queue>.retry` |
 /// | [`dead_letter_queue`](Self::dead_letter_queue) | `<queue>.dlq` |
 /// | [`lane_header`](Self::lane_header) | none: competing consumers, no ordering |
@@ -55,15 +108,19 @@ pub struct AmqpConfig {
     pub(crate) publish_timeout: Duration,
     pub(crate) requeue_delay: Duration,
     pub(crate) connection_name: Option<String>,
+    pub(crate) tls: AmqpTls,
+    pub(crate) queue_type: QueueType,
+    pub(crate) delivery_limit: Option<u32>,
 }
 
 impl AmqpConfig {
     /// Consume `queue` on the broker at `uri`.
     ///
     /// `uri` is an AMQP URI: `amqp://user:password@host:5672/%2f` (the vhost `/` is written
-    /// `%2f`), or `amqps://…` for TLS, verified against the system's root certificates. Query
-    /// parameters `heartbeat` (seconds), `connection_timeout` (ms), `frame_max` and
-    /// `channel_max` are understood.
+    /// `%2f`), or `amqps://…` for TLS, verified against the system's root certificates and the
+    /// [`tls`](Self::tls) settings. Query parameters `heartbeat` (seconds), `connection_timeout`
+    /// (ms), `frame_max`, `channel_max` and `auth_mechanism` (`plain`, `external`, …) are
+    /// understood.
     pub fn new(uri: impl Into<String>, queue: impl Into<String>) -> Self {
         AmqpConfig {
             uri: uri.into(),
@@ -80,7 +137,82 @@ impl AmqpConfig {
             publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
             requeue_delay: DEFAULT_REQUEUE_DELAY,
             connection_name: None,
+            tls: AmqpTls::default(),
+            queue_type: QueueType::Classic,
+            delivery_limit: None,
         }
+    }
+
+    /// The CA and client certificate of an `amqps://` connection (see [`AmqpTls`]). Setting
+    /// any with a plaintext `amqp://` URI is refused by [`validate`](Self::validate).
+    pub fn tls(mut self, tls: AmqpTls) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The type of the work and dead-letter queues declared on every (re)connect (default
+    /// [`QueueType::Classic`]). It must match how existing queues were declared: a queue that
+    /// exists with other arguments is refused at connect with RabbitMQ's own words naming the
+    /// argument (`PRECONDITION_FAILED - inequivalent arg 'x-queue-type' …`), and what to set.
+    /// Without effect when [`declare_topology`](Self::declare_topology) is off.
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// The work queue's `x-delivery-limit` (quorum queues only): how many times the broker
+    /// gives a message back (its consumer died or lost its connection with it unacknowledged, a
+    /// `basic.nack`) before it drops the message, or dead-letters it to the queue's own
+    /// dead-letter exchange, behind txinbox's back. Declared with a quorum work queue when set;
+    /// leave it unset for a queue declared without one. At least 1.
+    ///
+    /// txinbox never gives a message back on purpose (a retry is a copy through the retry
+    /// queue, then an ack), so the count grows only when consumers die or lose their
+    /// connection. And a delivery whose next give-back could be the broker's last
+    /// (`x-delivery-count` + 1 ≥ the limit) is replaced before the handler sees it: a fresh copy
+    /// goes to the work queue (confirmed, then the original is acked; its count starts over).
+    /// That keeps a live consumer's messages away from the limit. It cannot help a message that
+    /// waits in the prefetch buffer of consumers that die again and again before they reach it:
+    /// each death counts for every delivered message. So keep the limit far above the number
+    /// of crashes in a row you tolerate, or have none: RabbitMQ 3.x quorum queues have no
+    /// limit unless one is set; RabbitMQ 4 sets 20 by default, and `-1` (queue argument or
+    /// policy `delivery-limit`) turns it off there (on 3.x, `-1` drops a message at its first
+    /// give-back). Set this to the queue's limit when it is below [`DEFAULT_DELIVERY_LIMIT`]
+    /// (20, RabbitMQ 4's default).
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// The delivery limit txinbox keeps messages under: [`delivery_limit`](Self::delivery_limit)
+    /// or [`DEFAULT_DELIVERY_LIMIT`].
+    pub fn delivery_limit_or_default(&self) -> u32 {
+        self.delivery_limit.unwrap_or(DEFAULT_DELIVERY_LIMIT)
+    }
+
+    /// The queues the source declares (with [`declare_topology`](Self::declare_topology) on),
+    /// in order, each with its arguments: the work queue, the retry queue
+    /// ([`retry_queue_arguments`]) and the dead-letter queue. All durable. For declaring them
+    /// yourself the same way.
+    pub fn topology(&self) -> [(String, FieldTable); 3] {
+        let typed = |limit: Option<u32>| {
+            let mut t = FieldTable::default();
+            if self.queue_type == QueueType::Quorum {
+                t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+                if let Some(limit) = limit {
+                    t.insert(
+                        "x-delivery-limit".into(),
+                        AMQPValue::LongLongInt(i64::from(limit)),
+                    );
+                }
+            }
+            t
+        };
+        [
+            (self.queue.clone(), typed(self.delivery_limit)),
+            (self.retry_queue_name(), retry_queue_arguments(&self.queue)),
+            (self.dead_letter_queue_name(), typed(None)),
+        ]
     }
 
     /// How many unacknowledged deliveries the broker may push to this consumer (`basic.qos`
@@ -108,15 +240,17 @@ impl AmqpConfig {
 
     /// Whether to declare the topology on every (re)connect (default `true`):
     ///
-    /// - the work queue: durable, no arguments;
+    /// - the work queue: durable, of the [`queue_type`](Self::queue_type) (with
+    ///   [`delivery_limit`](Self::delivery_limit), if set);
     /// - the retry queue: [`retry_queue_arguments`], so a copy whose per-message TTL expires
     ///   goes back to the work queue through the default exchange, at least once;
-    /// - the dead-letter queue: durable, no arguments.
+    /// - the dead-letter queue: durable, of the [`queue_type`](Self::queue_type).
     ///
-    /// Turn it off when the queues are managed elsewhere (or the work queue has other
-    /// arguments, e.g. a quorum queue: a declaration with different arguments fails with
-    /// `PRECONDITION_FAILED`). The retry and dead-letter queues must then exist with the
-    /// arguments above.
+    /// ([`topology`](Self::topology) lists them.) A queue that exists with other arguments is
+    /// refused at connect, naming the argument. Turn this off when the queues are managed
+    /// elsewhere with arguments of their own (a length limit, a policy-free DLX, …): they are
+    /// then used as they are, and the retry and dead-letter queues must exist with the
+    /// arguments above (a missing one is reported in the consumer's health).
     pub fn declare_topology(mut self, declare: bool) -> Self {
         self.declare_topology = declare;
         self
@@ -215,11 +349,12 @@ impl AmqpConfig {
     /// Checks the configuration; the error says what to change.
     pub fn validate(&self) -> Result<(), AmqpError> {
         let err = |m: String| Err(AmqpError::Config(m));
-        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
-            return err(format!(
-                "AmqpConfig uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
-                self.redacted_uri()
-            ));
+        self.tls.check(&self.uri, "AmqpConfig uri")?;
+        if self.delivery_limit == Some(0) {
+            return err(
+                "AmqpConfig delivery_limit must be at least 1 (a quorum queue with limit 0 drops a message the first time it is given back)"
+                    .into(),
+            );
         }
         let short = |what: &str, v: &str| -> Result<(), AmqpError> {
             if v.is_empty() {
@@ -296,6 +431,9 @@ impl fmt::Debug for AmqpConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("publish_timeout", &self.publish_timeout)
             .field("requeue_delay", &self.requeue_delay)
+            .field("tls", &self.tls)
+            .field("queue_type", &self.queue_type)
+            .field("delivery_limit", &self.delivery_limit)
             .finish()
     }
 }
@@ -306,8 +444,7 @@ impl fmt::Debug for AmqpConfig {
 /// A classic queue dead-letters at most once: a copy lost on the way would leave its message
 /// acked and never retried. Declare your own retry queue with these when
 /// [`AmqpConfig::declare_topology`] is off.
-pub fn retry_queue_arguments(queue: &str) -> lapin::types::FieldTable {
-    use lapin::types::{AMQPValue, FieldTable};
+pub fn retry_queue_arguments(queue: &str) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
     t.insert(
@@ -415,5 +552,44 @@ mod tests {
         AmqpConfig::new("amqps://u:p@broker.example:5671/vh?heartbeat=10", "q")
             .validate()
             .unwrap();
+        invalid(
+            AmqpConfig::new(URI, "q").delivery_limit(0),
+            "delivery_limit must be at least 1",
+        );
+        invalid(
+            AmqpConfig::new(URI, "q").tls(AmqpTls::new().ca_file("/etc/hostname")),
+            "use amqps://",
+        );
+    }
+
+    #[test]
+    fn the_queue_type_decides_the_declared_arguments() {
+        let names = |c: &AmqpConfig| {
+            c.topology()
+                .iter()
+                .map(|(name, args)| {
+                    let mut keys: Vec<String> = args.inner().keys().map(|k| k.to_string()).collect();
+                    keys.sort();
+                    format!("{name}:{}", keys.join(","))
+                })
+                .collect::<Vec<_>>()
+        };
+        let retry = "q.retry:x-dead-letter-exchange,x-dead-letter-routing-key,x-dead-letter-strategy,x-overflow,x-queue-type";
+        let classic = AmqpConfig::new(URI, "q");
+        assert_eq!(names(&classic), ["q:", retry, "q.dlq:"]);
+        let quorum = AmqpConfig::new(URI, "q").queue_type(QueueType::Quorum);
+        assert_eq!(names(&quorum), ["q:x-queue-type", retry, "q.dlq:x-queue-type"]);
+        let limited = quorum.clone().delivery_limit(5);
+        assert_eq!(
+            names(&limited),
+            ["q:x-delivery-limit,x-queue-type", retry, "q.dlq:x-queue-type"]
+        );
+        assert_eq!(quorum.delivery_limit_or_default(), DEFAULT_DELIVERY_LIMIT);
+        assert_eq!(limited.delivery_limit_or_default(), 5);
+        assert_eq!("Quorum".parse::<QueueType>(), Ok(QueueType::Quorum));
+        assert!("lazy"
+            .parse::<QueueType>()
+            .unwrap_err()
+            .contains("classic or quorum"));
     }
 }

@@ -245,6 +245,52 @@ impl AmqpDelivery {
         }
     }
 
+    /// Whether this is a quorum queue's delivery whose next give-back could be the broker's last
+    /// before it drops the message or dead-letters it past txinbox: its `x-delivery-count` + 1
+    /// reaches the delivery limit ([`AmqpConfig::delivery_limit`](crate::AmqpConfig::delivery_limit)).
+    pub(crate) fn near_delivery_limit(&self) -> bool {
+        let count = int_header(self.properties.headers().as_ref(), headers::DELIVERY_COUNT).unwrap_or(0);
+        count >= 1 && count.saturating_add(1) >= i64::from(self.shared.delivery_limit)
+    }
+
+    /// Publishes a fresh copy of the message to the work queue (same payload, properties and
+    /// headers, without the broker's counters: its delivery count starts over), confirmed, then
+    /// acks the original. `Err(self)` if the copy was not confirmed: the delivery is still
+    /// unsettled, to be processed as it is. Once the copy is confirmed the original is only a
+    /// duplicate: a failed ack costs nothing (the inbox deduplicates whichever comes second).
+    pub(crate) async fn replace_with_fresh_copy(self) -> Result<(), AmqpDelivery> {
+        let count = int_header(self.properties.headers().as_ref(), headers::DELIVERY_COUNT).unwrap_or(0);
+        let table = self.properties.headers().clone().unwrap_or_default();
+        let properties = fit::copy_properties(&self.properties, table, self.properties.expiration().clone());
+        let queue = ShortString::from(self.shared.queue.as_ref());
+        match self
+            .publish_copy(&queue, properties, self.message.payload(), "fresh_copy")
+            .await
+        {
+            Ok(()) => {
+                tracing::warn!(
+                    queue = %self.shared.queue,
+                    message_id = ?self.message.native_id(),
+                    delivery_count = count,
+                    delivery_limit = self.shared.delivery_limit,
+                    "a message given back this often (consumers that died or lost their connection with it) is republished as a fresh copy, so the quorum queue's delivery limit cannot drop it"
+                );
+                let _ = self.ack().await;
+                Ok(())
+            }
+            Err(unconfirmed) => {
+                tracing::error!(
+                    queue = %self.shared.queue,
+                    message_id = ?self.message.native_id(),
+                    delivery_count = count,
+                    error = %unconfirmed,
+                    "a fresh copy of a message near the quorum queue's delivery limit was not confirmed; processing the delivery as it is"
+                );
+                Err(self)
+            }
+        }
+    }
+
     /// Publishes the dead-letter copy, made to fit (see [`fit`]), then acks the original.
     async fn dead_letter(&self, dl: DeadLetter) -> Result<(), SettleError> {
         if !self.generation.alive() {

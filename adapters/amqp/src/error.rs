@@ -47,3 +47,29 @@ impl std::error::Error for AmqpError {
         }
     }
 }
+
+/// A driver error with what to do about it: `Display` is the error, then the advice; `source`
+/// is the error.
+#[derive(Debug)]
+pub(crate) struct Advised {
+    error: lapin::Error,
+    advice: String,
+}
+
+impl Advised {
+    pub(crate) fn new(error: lapin::Error, advice: String) -> Advised {
+        Advised { error, advice }
+    }
+}
+
+impl fmt::Display for Advised {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}; {}", self.error, self.advice)
+    }
+}
+
+impl std::error::Error for Advised {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}

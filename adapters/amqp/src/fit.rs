@@ -213,6 +213,15 @@ pub(crate) fn copy_properties(
     headers: FieldTable,
     expiration: Option<ShortString>,
 ) -> BasicProperties {
+    // The broker's counters of the original: a copy is a new message.
+    let counters = [headers::DELIVERY_COUNT, headers::ACQUIRED_COUNT];
+    let headers = if counters.iter().any(|c| headers.contains_key(c)) {
+        let mut map = headers.inner().clone();
+        map.retain(|k, _| !counters.contains(&k.as_str()));
+        FieldTable::from(map)
+    } else {
+        headers
+    };
     let mut c = BasicProperties::default()
         .with_headers(headers)
         .with_delivery_mode(2);

@@ -28,6 +28,13 @@ pub const ORIGINAL_SIZE: &str = "x-txinbox-original-size";
 /// Dead letters that leave something out: the payload's SHA-256, lowercase hex, as the
 /// database's `payload_sha256`.
 pub const ORIGINAL_SHA256: &str = "x-txinbox-original-sha256";
+/// Set by RabbitMQ on deliveries of a quorum queue: how often the message was given back
+/// before (absent the first time). Never copied: a copy (retry, dead letter, fresh copy) is a new
+/// message whose count starts over, and a stale count would read as its own.
+pub const DELIVERY_COUNT: &str = "x-delivery-count";
+/// Set by RabbitMQ 4.3+ on deliveries of a quorum queue: how often the message was handed to a
+/// consumer. Never copied, as [`DELIVERY_COUNT`].
+pub const ACQUIRED_COUNT: &str = "x-acquired-count";
 /// Outbox messages: the row's key. A consumer that must apply one key's messages in order sets
 /// [`AmqpConfig::lane_header`](crate::AmqpConfig::lane_header) to it.
 pub const KEY: &str = "message-key";

@@ -78,9 +78,33 @@
 //! - `consumer_timeout` (30 min by default): a delivery unacknowledged that long makes the
 //!   broker close the channel. Keep handlers far below it; the supervisor treats the close like
 //!   any loss.
-//! - On RabbitMQ 4.x quorum queues have a default `delivery-limit` of 20: declare the queue
-//!   yourself (`declare_topology(false)`) with an explicit limit if messages may be redelivered
-//!   often.
+//!
+//! # TLS
+//!
+//! `amqps://` verifies the broker's certificate (chain and host name) against the system's root
+//! certificates, and the CA of [`AmqpTls::ca_file`] when set; [`AmqpTls::client_certificate`]
+//! presents a client certificate, e.g. to log in with it (`?auth_mechanism=external`). The
+//! source ([`AmqpConfig::tls`]), the publisher ([`AmqpPublisher::connect_with_tls`]) and the
+//! `txinbox` CLI open every connection through [`AmqpTls::connect`], whose errors say what to
+//! change (an untrusted CA, a host name the certificate does not list, `amqp://` to a TLS port).
+//!
+//! # Quorum queues
+//!
+//! [`AmqpConfig::queue_type`] declares the work and dead-letter queues as quorum queues (the
+//! retry queue is one anyway). A queue that exists with other arguments is refused at connect
+//! with RabbitMQ's text, which names the argument (`inequivalent arg 'x-queue-type'`), and what
+//! to set; `declare_topology(false)` uses queues as they are.
+//!
+//! | | quorum queue | txinbox |
+//! |---|---|---|
+//! | a handler's transient failure | — | counted in the database; a copy through the retry queue, then an ack (the broker's `x-delivery-count` does not move) |
+//! | attempts exhausted, permanent failure | — | dead letter recorded in the database, a copy to `<queue>.dlq`, then an ack |
+//! | a consumer dies or loses its connection | every unacknowledged delivery is given back, `x-delivery-count` + 1 | the inbox deduplicates what was committed |
+//! | `x-delivery-count` + 1 reaches the delivery limit | the next give-back drops the message (or dead-letters it to the queue's own DLX) | the delivery is replaced by a fresh copy before the handler sees it ([`AmqpConfig::delivery_limit`]) |
+//!
+//! RabbitMQ 4 gives quorum queues a `delivery-limit` of 20 by default (3.x: none); see
+//! [`AmqpConfig::delivery_limit`] for what the fresh copy cannot cover (consumers dying again
+//! and again before they reach a prefetched message) and how to turn the limit off.
 //!
 //! # Observability
 //!
@@ -103,10 +127,12 @@ mod publisher;
 mod shared;
 mod source;
 pub mod telemetry;
+mod tls;
 
 pub use config::{
-    retry_queue_arguments, AmqpConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT,
-    DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_REQUEUE_DELAY,
+    retry_queue_arguments, AmqpConfig, QueueType, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DELIVERY_LIMIT,
+    DEFAULT_PREFETCH, DEFAULT_PUBLISH_TIMEOUT, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
+    DEFAULT_REQUEUE_DELAY,
 };
 pub use confirm::{confirmed, Unconfirmed};
 pub use delivery::AmqpDelivery;
@@ -114,6 +140,7 @@ pub use error::AmqpError;
 pub use publisher::{AmqpPublisher, DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT};
 pub use shared::AmqpMonitor;
 pub use source::AmqpSource;
+pub use tls::AmqpTls;
 
 /// The lapin version this crate is built against, re-exported for [`AmqpDelivery::properties`].
 pub use lapin;

@@ -6,6 +6,8 @@ use std::time::Duration;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ByteArray, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+use crate::tls::AmqpTls;
 use txinbox::async_trait;
 use txinbox::outbox::{CloudEventsBinding, OutboxMessage, PublishError, Publisher, DEFAULT_SOURCE};
 
@@ -53,6 +55,7 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// cannot be taken for another message's).
 pub struct AmqpPublisher {
     uri: String,
+    tls: AmqpTls,
     exchange: ShortString,
     source: String,
     publish_timeout: Duration,
@@ -70,6 +73,7 @@ impl fmt::Debug for AmqpPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AmqpPublisher")
             .field("uri", &txinbox::redact::url(&self.uri))
+            .field("tls", &self.tls)
             .field("exchange", &self.exchange)
             .field("source", &self.source)
             .field("publish_timeout", &self.publish_timeout)
@@ -83,16 +87,17 @@ impl AmqpPublisher {
     /// are repaired on the next publish. Publishes go to the default exchange until
     /// [`exchange`](Self::exchange) says otherwise.
     pub async fn connect(uri: impl Into<String>) -> Result<AmqpPublisher, AmqpError> {
+        AmqpPublisher::connect_with_tls(uri, AmqpTls::default()).await
+    }
+
+    /// [`connect`](Self::connect) with the CA and client certificate of an `amqps://`
+    /// connection (see [`AmqpTls`]); every connection the publisher opens uses them.
+    pub async fn connect_with_tls(uri: impl Into<String>, tls: AmqpTls) -> Result<AmqpPublisher, AmqpError> {
         let uri = uri.into();
-        // NOTE: parsed here first: lapin's own parse error quotes the whole URI, password included.
-        if let Err(e) = uri.parse::<lapin::uri::AMQPUri>() {
-            return Err(AmqpError::Config(format!(
-                "AmqpPublisher uri {} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…",
-                txinbox::redact::url(&uri)
-            )));
-        }
+        tls.check(&uri, "AmqpPublisher uri")?;
         let publisher = AmqpPublisher {
             uri,
+            tls,
             exchange: ShortString::default(),
             source: DEFAULT_SOURCE.into(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,
@@ -145,9 +150,7 @@ impl AmqpPublisher {
         let props = ConnectionProperties::default()
             .with_connection_name(format!("txinbox-outbox-{}", std::process::id()).into());
         let setup = async {
-            let conn = Connection::connect(&self.uri, props)
-                .await
-                .map_err(|e| broker("connect", e.into()))?;
+            let conn = self.tls.connect(&self.uri, props).await?;
             let channel = conn
                 .create_channel()
                 .await
@@ -319,6 +322,7 @@ mod tests {
             .with_headers(Headers::new().with("raw", &b"\xff"[..]).with(ID_HEADER, "forged"));
         let publisher = AmqpPublisher {
             uri: String::new(),
+            tls: AmqpTls::default(),
             exchange: ShortString::default(),
             source: "/billing".into(),
             publish_timeout: DEFAULT_CONFIRM_TIMEOUT,

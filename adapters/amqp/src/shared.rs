@@ -24,6 +24,8 @@ pub(crate) struct Shared {
     /// Queues copies go to that the broker says do not exist (with `declare_topology(false)`),
     /// one problem line each; reported to the health once it is attached.
     pub(crate) missing_queues: std::sync::Mutex<Vec<String>>,
+    /// [`AmqpConfig::delivery_limit_or_default`](crate::AmqpConfig::delivery_limit_or_default).
+    pub(crate) delivery_limit: u32,
 }
 
 /// The kind of problem the source reports for missing copy queues

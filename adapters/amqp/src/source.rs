@@ -18,7 +18,7 @@ use txinbox::{
     async_trait, source::Capabilities, source::RetryMode, source::SourceError, IdStrategy, MessageSource,
 };
 
-use crate::config::AmqpConfig;
+use crate::config::{AmqpConfig, QueueType};
 use crate::delivery::AmqpDelivery;
 use crate::error::AmqpError;
 use crate::shared::{AmqpMonitor, Generation, Shared};
@@ -84,6 +84,7 @@ impl AmqpSource {
             monitor: AmqpMonitor::default(),
             health: std::sync::OnceLock::new(),
             missing_queues: std::sync::Mutex::new(Vec::new()),
+            delivery_limit: config.delivery_limit_or_default(),
         });
         let tag = config.consumer_tag.clone().unwrap_or_else(|| {
             format!(
@@ -277,7 +278,9 @@ impl Supervisor {
                 next = session.consumer.next() => match next {
                     Some(Ok(d)) => {
                         let delivery = AmqpDelivery::new(d, session.generation.clone(), self.shared.clone());
-                        if tx.send(Ok(delivery)).is_err() {
+                        if delivery.near_delivery_limit() {
+                            tokio::spawn(replace_with_fresh_copy(delivery, tx.clone()));
+                        } else if tx.send(Ok(delivery)).is_err() {
                             return End::Shutdown;
                         }
                     }
@@ -356,9 +359,9 @@ impl Supervisor {
         let c = &self.config;
         let props =
             ConnectionProperties::default().with_connection_name(c.connection_name_or_default().into());
-        let conn = match tokio::time::timeout(c.connect_timeout, Connection::connect(&c.uri, props)).await {
+        let conn = match tokio::time::timeout(c.connect_timeout, c.tls.connect(&c.uri, props)).await {
             Ok(Ok(conn)) => conn,
-            Ok(Err(e)) => return Err(classify("connect", e)),
+            Ok(Err(e)) => return Err(e),
             Err(_) => {
                 return Err(AmqpError::Broker {
                     context: "connect".into(),
@@ -448,19 +451,25 @@ impl Supervisor {
                 durable: true,
                 ..QueueDeclareOptions::default()
             };
-            let declare = |name: ShortString, args: FieldTable| {
-                let channel = &channel;
-                async move {
-                    channel
-                        .queue_declare(name.clone(), durable, args)
-                        .await
-                        .map_err(|e| classify(&format!("queue.declare {name}"), e))
+            for (name, args) in c.topology() {
+                let declared = channel
+                    .queue_declare(name.as_str().into(), durable, args.clone())
+                    .await;
+                if let Err(e) = declared {
+                    // The broker's text names the first argument that differs
+                    // (`inequivalent arg 'x-queue-type' … received none but current is …`).
+                    let advice = differing_queue_advice(c, &name, &args, &e);
+                    let context = format!("queue.declare {name}");
+                    return Err(match advice {
+                        Some(advice) => AmqpError::Broker {
+                            context,
+                            fatal: true,
+                            source: Box::new(crate::error::Advised::new(e, advice)),
+                        },
+                        None => classify(&context, e),
+                    });
                 }
-            };
-            declare(c.queue.as_str().into(), FieldTable::default()).await?;
-            let retry_args = crate::config::retry_queue_arguments(c.queue.as_str());
-            declare(self.shared.retry_queue.clone(), retry_args).await?;
-            declare(self.shared.dead_letter_queue.clone(), FieldTable::default()).await?;
+            }
         }
         channel
             .confirm_select(ConfirmSelectOptions::default())
@@ -582,10 +591,49 @@ async fn abandon(session: Session) {
     .await;
 }
 
-/// Whether retrying can help: refused credentials or vhost, unknown queue, a queue declared
-/// with other arguments are fatal; everything else (I/O, connection forced, timeouts) is not.
-fn classify(context: &str, e: lapin::Error) -> AmqpError {
-    let fatal = match e.kind() {
+/// What to do about a queue that exists with other arguments than txinbox declares it with
+/// (`PRECONDITION_FAILED`); `None` for any other error.
+fn differing_queue_advice(c: &AmqpConfig, name: &str, args: &FieldTable, e: &lapin::Error) -> Option<String> {
+    let lapin::ErrorKind::ProtocolError(amqp) = e.kind() else {
+        return None;
+    };
+    if !matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED)
+    ) {
+        return None;
+    }
+    let mut sent: Vec<String> = args
+        .inner()
+        .iter()
+        .map(|(k, v)| match v {
+            lapin::types::AMQPValue::LongString(s) => format!("{k}={s}"),
+            lapin::types::AMQPValue::LongLongInt(i) => format!("{k}={i}"),
+            other => format!("{k}={other:?}"),
+        })
+        .collect();
+    sent.sort();
+    let sent = if sent.is_empty() {
+        "no arguments (a classic queue)".to_owned()
+    } else {
+        sent.join(", ")
+    };
+    let what = if name == c.retry_queue_name() {
+        "; the retry queue must have txinbox_amqp::retry_queue_arguments (at-least-once dead-lettering back to the work queue): point retry_queue at a new name, or move its messages and declare it again"
+    } else if c.queue_type == QueueType::Classic {
+        "; if it is a quorum queue, set the queue type to quorum (AmqpConfig::queue_type(QueueType::Quorum), --amqp-queue-type quorum)"
+    } else {
+        "; set the queue type (AmqpConfig::queue_type, --amqp-queue-type) and delivery limit (AmqpConfig::delivery_limit) it was declared with"
+    };
+    Some(format!(
+        "queue {name} exists with other arguments than txinbox declares it with ({sent}){what}; or turn declare_topology off to use the queues as they are"
+    ))
+}
+
+/// Whether retrying cannot help: refused credentials or vhost, unknown queue, a queue declared
+/// with other arguments, an unsupported protocol or refused authentication.
+pub(crate) fn is_fatal(e: &lapin::Error) -> bool {
+    match e.kind() {
         lapin::ErrorKind::ProtocolError(amqp) => matches!(
             amqp.kind(),
             AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
@@ -596,10 +644,29 @@ fn classify(context: &str, e: lapin::Error) -> AmqpError {
         ),
         lapin::ErrorKind::InvalidProtocolVersion(_) | lapin::ErrorKind::AuthProviderError(_) => true,
         _ => false,
-    };
+    }
+}
+
+/// `e` in `context`, fatal as [`is_fatal`] says; everything else (I/O, connection forced,
+/// timeouts) can pass.
+fn classify(context: &str, e: lapin::Error) -> AmqpError {
+    let fatal = is_fatal(&e);
     AmqpError::Broker {
         context: context.to_owned(),
         fatal,
         source: Box::new(e),
+    }
+}
+
+/// Takes a delivery of a quorum queue near its delivery limit out of the broker's count: a
+/// fresh copy goes to the work queue ([`AmqpDelivery::replace_with_fresh_copy`]). If the copy is
+/// not confirmed the delivery is processed as it is (nothing better is left: giving it back
+/// would count once more).
+async fn replace_with_fresh_copy(
+    delivery: AmqpDelivery,
+    tx: mpsc::UnboundedSender<Result<AmqpDelivery, SourceError>>,
+) {
+    if let Err(delivery) = delivery.replace_with_fresh_copy().await {
+        let _ = tx.send(Ok(delivery));
     }
 }

@@ -7,8 +7,8 @@
 //! | `txinbox_amqp_connected` | gauge | 1 while a consumer is registered, else 0 |
 //! | `txinbox_amqp_queue_depth` | gauge | messages ready in the work queue as the broker reports them (passive `queue.declare` every 5 s on a channel of its own; excludes delivered-unacked ones) |
 //! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel`, `not_sent` (lapin returned `Ok(false)`), `error`, `timeout`. The message is redelivered and deduplicated |
-//! | `txinbox_amqp_publish_failures_total` | counter | a retry or dead-letter copy was not confirmed; labels `kind` (`retry`, `dead_letter`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
-//! | `txinbox_amqp_published_total` | counter | retry or dead-letter copies confirmed by the broker; label `kind` |
+//! | `txinbox_amqp_publish_failures_total` | counter | a retry, dead-letter or fresh copy was not confirmed; labels `kind` (`retry`, `dead_letter`, `fresh_copy`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
+//! | `txinbox_amqp_published_total` | counter | retry, dead-letter or fresh copies confirmed by the broker; label `kind`. A `fresh_copy` replaces a delivery of a quorum queue near its delivery limit ([`AmqpConfig::delivery_limit`](crate::AmqpConfig::delivery_limit)) |
 //! | `txinbox_amqp_requeued_total` | counter | originals given back with `basic.nack(requeue)` after a failed copy, or instead of a retry copy that would not fit in a frame |
 //! | `txinbox_amqp_dead_letters_reduced_total` | counter | dead-letter copies that leave part of the original out to fit what the broker takes; label `form`: `headers_omitted` (frame_max), `payload_omitted` (max_message_size), `payload_and_headers_omitted`, `none` (no copy fits: acked on the strength of the database's dead letter) |
 //! | `txinbox_amqp_stale_dropped_total` | counter | deliveries of a lost channel dropped before reaching the runtime (the broker redelivers them) |

@@ -1,7 +1,12 @@
 //! The conformance suites (`txinbox_testing::conformance`) against the RabbitMQ adapter:
 //! `AmqpSource`/`AmqpDelivery` through the source suite, `AmqpPublisher` through the publisher
-//! suite. **Needs RabbitMQ** at `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`;
-//! `scripts/test` starts it). Each case uses queues of its own, deleted when it passes.
+//! suite, each on classic queues (module `classic`), on quorum queues (`quorum`) and over TLS
+//! with verified certificates (`tls`: quorum queues on the TLS-only node).
+//!
+//! **Needs RabbitMQ** at `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`) and the
+//! TLS-only node at `AMQPS_URL` (default `amqps://guest:guest@127.0.0.1:5671/%2f`, trusting
+//! `$TXINBOX_TLS_DIR/ca.pem`); `scripts/test` starts both. Each case uses queues of its own,
+//! deleted when it passes.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -14,11 +19,50 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use txinbox::{async_trait, message::Headers, message::Origin, Message};
 use txinbox_amqp::headers;
-use txinbox_amqp::{retry_queue_arguments, AmqpConfig, AmqpPublisher, AmqpSource};
+use txinbox_amqp::{AmqpConfig, AmqpPublisher, AmqpSource, AmqpTls, QueueType};
 use txinbox_testing::conformance::{publisher, source};
 
-fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+#[path = "support/tls.rs"]
+mod tls;
+
+/// Where a case runs: which node, with which TLS settings, on which queue type.
+#[derive(Clone)]
+struct Broker {
+    url: String,
+    tls: AmqpTls,
+    queue_type: QueueType,
+}
+
+impl Broker {
+    fn classic() -> Broker {
+        Broker {
+            url: std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+            tls: AmqpTls::new(),
+            queue_type: QueueType::Classic,
+        }
+    }
+
+    fn quorum() -> Broker {
+        Broker {
+            queue_type: QueueType::Quorum,
+            ..Broker::classic()
+        }
+    }
+
+    fn tls() -> Broker {
+        Broker {
+            url: tls::amqps_url(),
+            tls: AmqpTls::new().ca_file(tls::file("ca.pem")),
+            queue_type: QueueType::Quorum,
+        }
+    }
+
+    /// A source configuration for `queue` on this broker.
+    fn config(&self, queue: &str) -> AmqpConfig {
+        AmqpConfig::new(&self.url, queue)
+            .tls(self.tls.clone())
+            .queue_type(self.queue_type)
+    }
 }
 
 /// `txinbox-conformance-<pid>-<n>-<what>`.
@@ -32,13 +76,20 @@ fn unique(what: &str) -> String {
 }
 
 /// A connection with one confirming channel.
-async fn connect(name: &str) -> (Connection, Channel) {
-    let conn = Connection::connect(
-        &amqp_url(),
-        ConnectionProperties::default().with_connection_name(name.into()),
-    )
-    .await
-    .expect("connect to AMQP_URL (is RabbitMQ running? scripts/test starts it)");
+async fn connect(broker: &Broker, name: &str) -> (Connection, Channel) {
+    let conn = broker
+        .tls
+        .connect(
+            &broker.url,
+            ConnectionProperties::default().with_connection_name(name.into()),
+        )
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "connect to {} (is RabbitMQ running? scripts/test starts it): {e}",
+                broker.url
+            )
+        });
     let channel = conn.create_channel().await.unwrap();
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -111,6 +162,7 @@ async fn take(channel: &Channel, queue: &str, n: usize, within: Duration) -> Vec
 // Source
 
 struct SourceHarness {
+    broker: Broker,
     queue: String,
     conn: Connection,
     channel: Channel,
@@ -118,14 +170,15 @@ struct SourceHarness {
     dead: tokio::sync::Mutex<Vec<Message>>,
 }
 
-async fn source_harness(case: &'static str) -> SourceHarness {
+async fn source_harness(broker: Broker, case: &'static str) -> SourceHarness {
     let queue = unique(case);
-    let (conn, channel) = connect(&format!("{queue}-publisher")).await;
+    let (conn, channel) = connect(&broker, &format!("{queue}-publisher")).await;
     // Declared up front, as the source declares them, so publishing before it opens is kept.
-    declare(&channel, &queue, FieldTable::default()).await;
-    declare(&channel, &format!("{queue}.retry"), retry_queue_arguments(&queue)).await;
-    declare(&channel, &format!("{queue}.dlq"), FieldTable::default()).await;
+    for (name, args) in broker.config(&queue).topology() {
+        declare(&channel, &name, args).await;
+    }
     SourceHarness {
+        broker,
         queue,
         conn,
         channel,
@@ -182,7 +235,9 @@ impl source::Harness for SourceHarness {
     }
 
     async fn open(&self) -> AmqpSource {
-        let config = AmqpConfig::new(amqp_url(), &self.queue)
+        let config = self
+            .broker
+            .config(&self.queue)
             .prefetch(16)
             .lane_header(headers::KEY)
             .connection_name(format!("{}-consumer", self.queue))
@@ -210,7 +265,17 @@ impl source::Harness for SourceHarness {
     }
 }
 
-txinbox_testing::source_conformance!(source_harness);
+mod classic {
+    txinbox_testing::source_conformance!(|case| super::source_harness(super::Broker::classic(), case));
+}
+
+mod quorum {
+    txinbox_testing::source_conformance!(|case| super::source_harness(super::Broker::quorum(), case));
+}
+
+mod tls_quorum {
+    txinbox_testing::source_conformance!(|case| super::source_harness(super::Broker::tls(), case));
+}
 
 // ---------------------------------------------------------------------------------------------
 // Publisher
@@ -225,12 +290,12 @@ mod publishing {
         queues: Mutex<Vec<String>>,
     }
 
-    pub async fn publisher_harness(case: &'static str) -> PublisherHarness {
-        let publisher = AmqpPublisher::connect(amqp_url())
+    pub async fn publisher_harness(broker: Broker, case: &'static str) -> PublisherHarness {
+        let publisher = AmqpPublisher::connect_with_tls(&broker.url, broker.tls.clone())
             .await
             .expect("AMQP publisher")
             .publish_timeout(Duration::from_secs(5));
-        let (conn, channel) = connect(&unique(&format!("{case}-reader"))).await;
+        let (conn, channel) = connect(&broker, &unique(&format!("{case}-reader"))).await;
         PublisherHarness {
             publisher,
             conn,
@@ -283,5 +348,14 @@ mod publishing {
         }
     }
 
-    txinbox_testing::publisher_conformance!(publisher_harness);
+    mod plain {
+        txinbox_testing::publisher_conformance!(|case| super::publisher_harness(
+            super::Broker::classic(),
+            case
+        ));
+    }
+
+    mod tls {
+        txinbox_testing::publisher_conformance!(|case| super::publisher_harness(super::Broker::tls(), case));
+    }
 }

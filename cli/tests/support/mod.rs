@@ -284,6 +284,25 @@ pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
+/// `AMQPS_URL`, default `amqps://guest:guest@127.0.0.1:5671/%2f`: the TLS-only RabbitMQ node
+/// `scripts/test` starts (`ensure_rabbitmq_tls`).
+pub fn amqps_url() -> String {
+    std::env::var("AMQPS_URL").unwrap_or_else(|_| "amqps://guest:guest@127.0.0.1:5671/%2f".into())
+}
+
+/// `$TXINBOX_TLS_DIR/<name>` (default `/var/lib/txinbox/tls`, made by `ensure_test_certs`);
+/// panics saying what to run when it is missing.
+pub fn tls_file(name: &str) -> String {
+    let dir = std::env::var("TXINBOX_TLS_DIR").unwrap_or_else(|_| "/var/lib/txinbox/tls".into());
+    let path = std::path::Path::new(&dir).join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/test's setup (ensure_test_certs and ensure_rabbitmq_tls)",
+        path.display()
+    );
+    path.display().to_string()
+}
+
 /// Publishes `payload` to `queue` (default exchange) with AMQP `message_id` = `id`, confirmed.
 pub async fn amqp_publish(url: &str, queue: &str, id: &str, payload: &str) {
     use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};

@@ -76,6 +76,9 @@ fn run(
         "RUST_LOG",
         "LEDGER_KAFKA_PROPERTIES",
         "LEDGER_SOURCE",
+        "AMQP_CA_FILE",
+        "AMQP_CLIENT_CERT",
+        "AMQP_CLIENT_KEY",
     ] {
         cmd.env_remove(var);
     }
@@ -211,6 +214,54 @@ async fn the_ledger_never_shows_a_database_or_broker_secret() {
             assert!(
                 !out.stopped && out.code == Some(1),
                 "ledger with {env:?}: expected it to fail and exit, got exit {:?}:\n{}",
+                out.code,
+                out.all()
+            );
+            assert_hidden(&format!("ledger with {env:?}"), &out, SECRET);
+        }
+    }
+    db.drop_database().await;
+}
+
+/// The ledger over `amqps://` to the TLS-only node (`AMQPS_URL`) with a password RabbitMQ
+/// refuses, trusting the test CA (`AMQP_CA_FILE`) or a CA that did not sign the broker's
+/// certificate: it exits with the broker's or the TLS refusal, never showing the password, at
+/// every log level (lapin logs its frames at trace, rustls its handshake).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_over_tls_never_shows_a_broker_secret() {
+    let db = TestDatabase::builder("examples_t").migrate(false).create().await;
+    let tls_host = std::env::var("AMQPS_URL")
+        .unwrap_or_else(|_| "amqps://guest:guest@127.0.0.1:5671/%2f".into())
+        .rsplit_once('@')
+        .map(|(_, h)| h.to_owned())
+        .expect("AMQPS_URL has user@host");
+    let dir = std::env::var("TXINBOX_TLS_DIR").unwrap_or_else(|_| "/var/lib/txinbox/tls".into());
+    for ca in ["ca.pem", "other-ca.pem"] {
+        let ca = format!("{dir}/{ca}");
+        assert!(
+            std::path::Path::new(&ca).is_file(),
+            "{ca} is missing: run scripts/test's setup (ensure_test_certs and ensure_rabbitmq_tls)"
+        );
+        for level in LOG_LEVELS {
+            let mut env = vec![
+                ("DATABASE_URL", db.url().to_owned()),
+                ("AMQP_URL", format!("amqps://guest:{SECRET}@{tls_host}")),
+                ("AMQP_CA_FILE", ca.clone()),
+            ];
+            env.extend(level.map(|l| ("RUST_LOG", l.to_owned())));
+            let out = tokio::task::block_in_place(|| {
+                run(
+                    "ledger",
+                    &["--source", "amqp"],
+                    &env,
+                    None,
+                    Duration::from_secs(60),
+                )
+            });
+            let Some(out) = out else { return };
+            assert!(
+                !out.stopped && out.code == Some(1),
+                "ledger with {env:?}: expected it to be refused and exit, got exit {:?}:\n{}",
                 out.code,
                 out.all()
             );

@@ -7,6 +7,7 @@
 //! `rabbitmqctl` as root for the fault-injection tests; `scripts/test` provides them.
 
 mod health;
+mod quorum;
 mod support;
 
 use std::sync::Arc;
