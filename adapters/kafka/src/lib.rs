@@ -78,6 +78,7 @@
 
 mod assignment;
 mod config;
+mod connection;
 mod dead_letter;
 mod delivery;
 mod poller;
@@ -93,9 +94,17 @@ pub use config::{
     KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
+pub use connection::ConnectionContext;
 pub use delivery::KafkaDelivery;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::KafkaSource;
+
+/// The rdkafka this crate is built with, for a service's own Kafka clients and types
+/// (`rdkafka::ClientConfig`, admin calls): one rdkafka in the build, with the features this
+/// crate enables (`ssl`, `zstd`, …). rdkafka-sys links librdkafka, so a dependency graph can
+/// hold only one rdkafka-sys anyway; a service that names `rdkafka = "0.39"` itself shares this
+/// one and may add features to it (Cargo unifies them).
+pub use rdkafka;
 
 /// Headers added to every dead-letter record (besides the original record's headers).
 pub mod headers {
