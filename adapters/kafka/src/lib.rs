@@ -91,8 +91,8 @@ mod state;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
-    DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
+    parse_properties, KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use connection::ConnectionContext;
 pub use delivery::KafkaDelivery;

@@ -278,13 +278,13 @@ async fn a_client_certificate_is_presented_and_its_absence_is_refused() {
     let context = ConnectionContext::new(&mut config);
     let client: BaseConsumer<ConnectionContext> = config.create_with_context(context).unwrap();
     let answer = tokio::task::spawn_blocking(move || {
-        let metadata = client.fetch_metadata(None, Duration::from_secs(10));
-        (metadata.map(|m| m.brokers().len()), client.context().problem())
+        client
+            .fetch_metadata(None, Duration::from_secs(10))
+            .map(|m| m.brokers().len())
     })
     .await
     .unwrap();
-    assert!(answer.0.is_ok(), "{answer:?}");
-    assert_eq!(answer.1, None);
+    assert!(answer.is_ok(), "{answer:?}");
 }
 
 /// SASL SCRAM over TLS reaches a broker that authenticates: tansu 0.6 with `--authentication`
