@@ -713,11 +713,11 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         #[cfg(feature = "kafka")]
         Command::Replay(a) => commands::replay::run(env, a).await,
         #[cfg(not(feature = "kafka"))]
-        Command::Replay(_) => Kafka::connect("").map(|k| match k {}),
+        Command::Replay(_) => Kafka::connect("", &[]).map(|k| match k {}),
         #[cfg(feature = "kafka")]
         Command::Positions(c) => commands::positions::run(env, c).await,
         #[cfg(not(feature = "kafka"))]
-        Command::Positions(_) => Kafka::connect("").map(|k| match k {}),
+        Command::Positions(_) => Kafka::connect("", &[]).map(|k| match k {}),
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
         Command::Http(HttpCommand::Purge(a)) => commands::http::purge(env, a).await,
