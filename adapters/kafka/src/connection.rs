@@ -33,7 +33,7 @@ use rdkafka::ClientContext;
 ///     let why = client.context().problem().unwrap_or_else(|| e.to_string());
 ///     # let _ = why;
 /// }
-/// ```no_run
+/// ```
 ///
 /// Clones share the problem: keep one to read it while the client owns the other (rdkafka's
 /// `FutureProducer` does not hand its context back).

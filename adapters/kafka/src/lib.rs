@@ -55,6 +55,7 @@
 //! | dead letter too large for the dead-letter topic | a copy without the payload (size and SHA-256 in headers), then without the original headers too; the partition moves on |
 //! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`telemetry::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
 //! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`telemetry::DEAD_LETTERS_WAITING`] and a WARN with the partition |
+//! | the brokers refuse the connection (a CA that is not trusted, a certificate for another host, a client certificate required, a SASL login refused, plaintext at a TLS listener) | librdkafka retries; the consumer is not ready with a `kafka-connection` problem that says what to change, in librdkafka's words ([`ConnectionContext`]); nothing is acked or skipped |
 //! | two consumer groups under one consumer name | the source stops with a fatal error (they would share one inbox and skip each other's messages) |
 //! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
 //!
