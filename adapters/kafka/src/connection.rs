@@ -15,7 +15,8 @@ use rdkafka::error::KafkaError;
 use rdkafka::ClientContext;
 
 /// A librdkafka client context that reads its errors and connection log lines through
-/// [`diagnose`] and keeps the last problem found, for an error message or a health report
+/// one classification (a refused TLS handshake, a refused SASL login, plaintext at a TLS
+/// listener) and keeps the last problem found, for an error message or a health report
 /// ([`problem`](Self::problem)). Each new problem is logged once at ERROR; librdkafka's own log
 /// lines are passed on to `tracing` (target `librdkafka`), as rdkafka's default context does.
 ///
