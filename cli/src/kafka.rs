@@ -7,15 +7,23 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
-use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use txinbox_kafka::rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use txinbox_kafka::rdkafka::error::KafkaError;
+use txinbox_kafka::rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
+use txinbox_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use txinbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use txinbox_kafka::ConnectionContext;
 
 use crate::error::CliError;
 
 /// A producer for requeued records.
-pub type Producer = FutureProducer;
+pub type Producer = FutureProducer<ConnectionContext>;
+
+/// librdkafka properties from one `-X` / `--kafka-property` value or `KAFKA_PROPERTIES`
+/// (`txinbox_kafka::parse_properties`); the error never shows the text.
+pub fn parse_properties(text: &str) -> Result<Vec<(String, String)>, String> {
+    txinbox_kafka::parse_properties(text)
+}
 
 /// How long one broker request may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -23,7 +31,9 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// A connection to the cluster at `brokers`, not a member of any group.
 pub struct Kafka {
     brokers: String,
-    client: BaseConsumer,
+    /// `-X` properties (security settings), given to every client the CLI creates.
+    properties: Vec<(String, String)>,
+    client: BaseConsumer<ConnectionContext>,
 }
 
 /// What the broker says about one partition: [`Kafka::view`].
@@ -48,23 +58,33 @@ pub struct Record {
 }
 
 impl Kafka {
-    /// Connects and checks that the cluster answers.
-    pub fn connect(brokers: &str) -> Result<Kafka, CliError> {
-        let client = config(brokers, &format!("txinbox-cli-{}", std::process::id()))
-            .create::<BaseConsumer>()
-            .map_err(|e| {
-                CliError::BadArgs(format!(
-                    "Kafka client configuration for --brokers {}: {e}",
-                    shown(brokers)
-                ))
-            })?;
+    /// Connects with the librdkafka `properties` (`-X`) and checks that the cluster answers.
+    pub fn connect(brokers: &str, properties: &[(String, String)]) -> Result<Kafka, CliError> {
+        let client = consumer(
+            brokers,
+            properties,
+            &format!("txinbox-cli-{}", std::process::id()),
+        )
+        .map_err(|e| {
+            CliError::BadArgs(format!(
+                "Kafka client configuration for --brokers {} and -X: {}",
+                shown(brokers),
+                shown_error(&e)
+            ))
+        })?;
         client
             .fetch_metadata(None, Duration::from_secs(5))
-            .map_err(|e| unreachable(brokers, e))?;
+            .map_err(|e| unreachable(brokers, e, &client))?;
         Ok(Kafka {
             brokers: brokers.into(),
+            properties: properties.to_vec(),
             client,
         })
+    }
+
+    /// A client of `group` with the CLI's settings and the `-X` properties.
+    fn consumer(&self, group: &str) -> Result<BaseConsumer<ConnectionContext>, KafkaError> {
+        consumer(&self.brokers, &self.properties, group)
     }
 
     /// The partitions of `topic`, sorted.
@@ -72,7 +92,7 @@ impl Kafka {
         let md = self
             .client
             .fetch_metadata(Some(topic), TIMEOUT)
-            .map_err(|e| unreachable(&self.brokers, e))?;
+            .map_err(|e| unreachable(&self.brokers, e, &self.client))?;
         let t = md
             .topics()
             .iter()
@@ -145,16 +165,19 @@ impl Kafka {
         topic: &str,
         partitions: &[i32],
     ) -> Result<HashMap<i32, Option<i64>>, CliError> {
-        let c = config(&self.brokers, group)
-            .create::<BaseConsumer>()
-            .map_err(|e| CliError::failed(format!("Kafka client for group {group}: {e}")))?;
+        let c = self
+            .consumer(group)
+            .map_err(|e| CliError::failed(format!("Kafka client for group {group}: {}", shown_error(&e))))?;
         let mut tpl = TopicPartitionList::new();
         for p in partitions {
             tpl.add_partition(topic, *p);
         }
-        let got = c
-            .committed_offsets(tpl, TIMEOUT)
-            .map_err(|e| CliError::failed(format!("committed offsets of group {group}: {e}")))?;
+        let got = c.committed_offsets(tpl, TIMEOUT).map_err(|e| {
+            CliError::failed(with_problem(
+                format!("committed offsets of group {group}: {e}"),
+                &c,
+            ))
+        })?;
         Ok(got
             .elements_for_topic(topic)
             .iter()
@@ -235,15 +258,14 @@ impl Kafka {
     /// Commits `offsets` (partition → next offset) for `group`, which must have no active
     /// member.
     pub fn commit(&self, group: &str, topic: &str, offsets: &[(i32, i64)]) -> Result<(), String> {
-        let c = config(&self.brokers, group)
-            .create::<BaseConsumer>()
-            .map_err(|e| e.to_string())?;
+        let c = self.consumer(group).map_err(|e| shown_error(&e))?;
         let mut tpl = TopicPartitionList::new();
         for (p, o) in offsets {
             tpl.add_partition_offset(topic, *p, Offset::Offset(*o))
                 .map_err(|e| e.to_string())?;
         }
-        c.commit(&tpl, CommitMode::Sync).map_err(|e| e.to_string())
+        c.commit(&tpl, CommitMode::Sync)
+            .map_err(|e| with_problem(e.to_string(), &c))
     }
 
     /// Reads the records of `topic`/`partition` with offsets in `[from, to)`, calling `each`
@@ -262,12 +284,9 @@ impl Kafka {
         if from >= to {
             return Ok(from);
         }
-        let reader = config(
-            &self.brokers,
-            &format!("txinbox-cli-reader-{}", std::process::id()),
-        )
-        .create::<BaseConsumer>()
-        .map_err(|e| CliError::failed(e.to_string()))?;
+        let reader = self
+            .consumer(&format!("txinbox-cli-reader-{}", std::process::id()))
+            .map_err(|e| CliError::failed(shown_error(&e)))?;
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(topic, partition, Offset::Offset(from))
             .map_err(|e| CliError::failed(e.to_string()))?;
@@ -325,19 +344,23 @@ impl Kafka {
     }
 
     /// A producer that waits for every record to be fully acknowledged.
-    pub fn producer(&self) -> Result<FutureProducer, CliError> {
-        ClientConfig::new()
-            .set("bootstrap.servers", &self.brokers)
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", "30000")
-            .create()
-            .map_err(|e| CliError::failed(format!("Kafka producer: {e}")))
+    pub fn producer(&self) -> Result<Producer, CliError> {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.properties {
+            c.set(k, v);
+        }
+        c.set("enable.idempotence", "true")
+            .set("message.timeout.ms", "30000");
+        let context = ConnectionContext::new(&mut c);
+        c.create_with_context(context)
+            .map_err(|e| CliError::failed(format!("Kafka producer: {}", shown_error(&e))))
     }
 }
 
 /// Produces one record to `topic`/`partition` and waits for its delivery report.
 pub async fn produce(
-    producer: &FutureProducer,
+    producer: &Producer,
     topic: &str,
     partition: Option<i32>,
     payload: &[u8],
@@ -361,20 +384,67 @@ pub async fn produce(
         .map_err(|(e, _)| e.to_string())
 }
 
-fn config(brokers: &str, group: &str) -> ClientConfig {
+/// A client of `group` on `brokers`: the CLI's settings, the `-X` `properties`, then the
+/// settings the CLI owns (it never commits by itself).
+fn consumer(
+    brokers: &str,
+    properties: &[(String, String)],
+    group: &str,
+) -> Result<BaseConsumer<ConnectionContext>, KafkaError> {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", brokers)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .set("enable.auto.offset.store", "false")
         .set("socket.timeout.ms", "10000");
-    c
+    for (k, v) in properties {
+        c.set(k, v);
+    }
+    c.set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    let context = ConnectionContext::new(&mut c);
+    c.create_with_context(context)
 }
 
-fn unreachable(brokers: &str, e: rdkafka::error::KafkaError) -> CliError {
+fn unreachable(brokers: &str, e: KafkaError, client: &BaseConsumer<ConnectionContext>) -> CliError {
     CliError::Unreachable {
         service: format!("Kafka brokers at {}", shown(brokers)),
-        detail: format!("{e} (check --brokers / KAFKA_BROKERS and that the brokers run)"),
+        detail: match problem(client) {
+            // A refused TLS handshake or SASL login: what to change, in librdkafka's words.
+            Some(problem) => format!("{e}: {problem}"),
+            None => format!("{e} (check --brokers / KAFKA_BROKERS and that the brokers run)"),
+        },
+    }
+}
+
+/// `text`, followed by the client's connection problem (TLS, SASL) if it has one.
+fn with_problem(text: String, client: &BaseConsumer<ConnectionContext>) -> String {
+    match problem(client) {
+        Some(problem) => format!("{text}: {problem}"),
+        None => text,
+    }
+}
+
+/// The client's connection problem (TLS, SASL), if it has one. librdkafka's log lines and
+/// errors reach the context only when the client is polled, which nothing does while a
+/// request blocks: this polls (up to 1 s) until one is read.
+fn problem(client: &BaseConsumer<ConnectionContext>) -> Option<String> {
+    for _ in 0..10 {
+        if let Some(p) = client.context().problem() {
+            return Some(p);
+        }
+        // Not assigned anything: polling only serves the queued events.
+        let _ = client.poll(Duration::from_millis(100));
+    }
+    client.context().problem()
+}
+
+/// A client-creation error without the property's value (rdkafka's own text quotes it, and a
+/// `-X` value may be a password under a mistyped name).
+fn shown_error(e: &KafkaError) -> String {
+    match e {
+        KafkaError::ClientConfig(_, description, key, _) => {
+            format!("{description} (property {key}; its value is not shown)")
+        }
+        other => other.to_string(),
     }
 }
 

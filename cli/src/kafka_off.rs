@@ -15,11 +15,18 @@ pub struct BrokerPartition {
     pub group_offset: Option<i64>,
 }
 
+/// `KEY=VALUE` pairs (the Kafka client that would read them is not in this build).
+pub fn parse_properties(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.split_once('=')
+        .map(|(k, v)| vec![(k.trim().to_owned(), v.to_owned())])
+        .ok_or_else(|| "expected KEY=VALUE".to_owned())
+}
+
 /// No producer in this build (uninhabited).
 pub enum Producer {}
 
 impl Kafka {
-    pub fn connect(_brokers: &str) -> Result<Kafka, CliError> {
+    pub fn connect(_brokers: &str, _properties: &[(String, String)]) -> Result<Kafka, CliError> {
         Err(CliError::BadArgs(
             "this txinbox was built without the `kafka` feature; rebuild with it for Kafka operations".into(),
         ))

@@ -70,6 +70,21 @@ struct Cli {
     /// requeues.
     #[arg(long, global = true, env = "KAFKA_BROKERS", hide_env_values = true)]
     brokers: Option<String>,
+    /// A Kafka client property, KEY=VALUE, repeatable like kcat's -X: the security settings of
+    /// managed Kafka (-X security.protocol=SASL_SSL -X sasl.mechanisms=PLAIN -X
+    /// sasl.username=... -X sasl.password=..., or -X security.protocol=SSL -X
+    /// ssl.ca.location=/path/ca.pem). Several in one value (and in KAFKA_PROPERTIES) are
+    /// separated by `,` where a property name and `=` follow it. Values are never printed.
+    #[arg(
+        short = 'X',
+        long = "kafka-property",
+        global = true,
+        env = "KAFKA_PROPERTIES",
+        hide_env_values = true,
+        value_name = "KEY=VALUE",
+        value_parser = KafkaPropertiesParser
+    )]
+    kafka_properties: Vec<KafkaProperties>,
     /// RabbitMQ URL (amqp://user:pass@host:port/vhost, or amqps:// for TLS), for requeueing
     /// RabbitMQ dead letters.
     #[arg(long, global = true, env = "AMQP_URL", hide_env_values = true)]
@@ -78,6 +93,46 @@ struct Cli {
     amqp_tls: AmqpTlsFiles,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The librdkafka properties of one `-X` value; `Debug` masks secret values.
+#[derive(Clone)]
+struct KafkaProperties(Vec<(String, String)>);
+
+impl std::fmt::Debug for KafkaProperties {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| (k, txinbox::redact::property(k, v))))
+            .finish()
+    }
+}
+
+/// Reads `-X` values by `txinbox_kafka::parse_properties`; a malformed one is refused without
+/// being shown (it may hold a secret), unlike clap's own "invalid value '…'" errors.
+#[derive(Clone, Copy)]
+struct KafkaPropertiesParser;
+
+impl clap::builder::TypedValueParser for KafkaPropertiesParser {
+    type Value = KafkaProperties;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<KafkaProperties, clap::Error> {
+        let refuse = |why: &str| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("-X / --kafka-property: {why} (the value is not shown: it may hold a secret)\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let text = value.to_str().ok_or_else(|| refuse("not UTF-8"))?;
+        kafka::parse_properties(text)
+            .map(KafkaProperties)
+            .map_err(|why| refuse(&why))
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -439,6 +494,8 @@ pub(crate) struct Env {
     json: bool,
     database_url: Option<String>,
     brokers: Option<String>,
+    /// `-X` / `KAFKA_PROPERTIES`, in order.
+    kafka_properties: Vec<(String, String)>,
     amqp_url: Option<String>,
     amqp_tls: AmqpTlsFiles,
 }
@@ -528,7 +585,7 @@ impl Env {
         let brokers = self.brokers.as_deref().ok_or_else(|| {
             CliError::BadArgs(format!("{why} needs Kafka: pass --brokers or set KAFKA_BROKERS"))
         })?;
-        tokio::task::block_in_place(|| kafka::Kafka::connect(brokers))
+        tokio::task::block_in_place(|| kafka::Kafka::connect(brokers, &self.kafka_properties))
     }
 
     /// Connects to RabbitMQ; `why` says what needs it.
@@ -628,6 +685,7 @@ fn main() {
         json: cli.json,
         database_url: cli.database_url,
         brokers: cli.brokers,
+        kafka_properties: cli.kafka_properties.into_iter().flat_map(|p| p.0).collect(),
         amqp_url: cli.amqp_url,
         amqp_tls: cli.amqp_tls,
     };
@@ -688,11 +746,11 @@ async fn run(env: &Env, command: Command) -> Result<Report, CliError> {
         #[cfg(feature = "kafka")]
         Command::Replay(a) => commands::replay::run(env, a).await,
         #[cfg(not(feature = "kafka"))]
-        Command::Replay(_) => Kafka::connect("").map(|k| match k {}),
+        Command::Replay(_) => Kafka::connect("", &[]).map(|k| match k {}),
         #[cfg(feature = "kafka")]
         Command::Positions(c) => commands::positions::run(env, c).await,
         #[cfg(not(feature = "kafka"))]
-        Command::Positions(_) => Kafka::connect("").map(|k| match k {}),
+        Command::Positions(_) => Kafka::connect("", &[]).map(|k| match k {}),
         Command::Purge(a) => commands::purge::run(env, a).await,
         Command::DeadLetters(c) => commands::dead_letters::run(env, c).await,
         Command::Http(HttpCommand::Purge(a)) => commands::http::purge(env, a).await,

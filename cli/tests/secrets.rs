@@ -144,6 +144,7 @@ async fn leaks(runs: Vec<Attempt>) -> Vec<String> {
                     cmd.args(&args)
                         .env_remove("DATABASE_URL")
                         .env_remove("KAFKA_BROKERS")
+                        .env_remove("KAFKA_PROPERTIES")
                         .env_remove("AMQP_URL")
                         .stdin(std::process::Stdio::null());
                     for (k, v) in &env {
@@ -300,6 +301,7 @@ async fn help_never_shows_the_environment_values() {
         ("AMQP_CA_FILE", "/etc/Kx9-Secret-Tail/ca.pem".to_owned()),
         ("AMQP_CLIENT_CERT", "/etc/Kx9-Secret-Tail/client.pem".to_owned()),
         ("AMQP_CLIENT_KEY", "/etc/Kx9-Secret-Tail/client.key".to_owned()),
+        ("KAFKA_PROPERTIES", "sasl.password=Kx9-Secret-Tail".to_owned()),
     ];
     let mut runs = Vec::new();
     for command in [
@@ -313,6 +315,73 @@ async fn help_never_shows_the_environment_values() {
     }
     let found = leaks(runs).await;
     assert!(found.is_empty(), "--help shows a secret:\n{}", found.join("\n"));
+}
+
+/// Kafka client properties with secrets, as `-X` flags and as `KAFKA_PROPERTIES`: a SASL
+/// password (against the SASL_SSL listener of `ensure_tansu_tls`, which refuses the login), a
+/// TLS key password with a key that does not exist, a password under a mistyped name, a value
+/// without `=`. Every run fails; none shows the secret, as text or `--json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_properties_never_show_their_secrets() {
+    let db = TestDb::new().await;
+    let secret = "Kx9-Secret-Tail";
+    let sasl_ssl = std::env::var("KAFKA_SASL_SSL_BROKERS").unwrap_or_else(|_| "127.0.0.1:9098".into());
+    let tls_dir = std::env::var("TXINBOX_TLS_DIR").unwrap_or_else(|_| "/var/lib/txinbox/tls".into());
+    let ca = format!("ssl.ca.location={tls_dir}/ca.pem");
+    let cases: Vec<(&str, Vec<String>)> = vec![
+        (
+            sasl_ssl.as_str(),
+            vec![
+                "security.protocol=SASL_SSL".into(),
+                "sasl.mechanisms=SCRAM-SHA-512".into(),
+                "sasl.username=operator".into(),
+                format!("sasl.password={secret}"),
+                ca.clone(),
+            ],
+        ),
+        (
+            "127.0.0.1:9094",
+            vec![
+                "security.protocol=SSL".into(),
+                ca.clone(),
+                "ssl.certificate.location=/nonexistent/client.pem".into(),
+                "ssl.key.location=/nonexistent/client.key".into(),
+                format!("ssl.key.password={secret}"),
+            ],
+        ),
+        ("127.0.0.1:9094", vec![format!("sasl.pasword={secret}")]),
+        ("127.0.0.1:9094", vec![secret.to_owned()]),
+    ];
+    let mut runs = Vec::new();
+    for (brokers, properties) in &cases {
+        for json in [false, true] {
+            let base = if json {
+                args(&["--json", "status"])
+            } else {
+                args(&["status"])
+            };
+            let env = vec![
+                ("DATABASE_URL", db.url.clone()),
+                ("KAFKA_BROKERS", brokers.to_string()),
+            ];
+            let mut flags = base.clone();
+            for p in properties {
+                flags.extend(["-X".to_owned(), p.clone()]);
+            }
+            runs.push(attempt(env.clone(), flags, secret));
+            let mut listed = env;
+            listed.push(("KAFKA_PROPERTIES", properties.join(",")));
+            runs.push(attempt(listed, base, secret));
+        }
+    }
+    let total = runs.len();
+    let found = leaks(runs).await;
+    assert!(
+        found.is_empty(),
+        "{} of {total} runs show a secret:\n{}",
+        found.len(),
+        found.join("\n")
+    );
 }
 
 /// A pending dead letter from `source` (`kafka` or `rabbitmq`) with a message ID, ready to be

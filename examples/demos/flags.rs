@@ -149,12 +149,9 @@ impl Amqp {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct KafkaProperties(pub Vec<(String, String)>);
 
-/// Reads [`KafkaProperties`]: `KEY=VALUE`, or several separated by `,` — but only where a
-/// property name and `=` follow the `,` (a dotted name such as `session.timeout.ms`, or one of
-/// librdkafka's undotted `acks`, `debug`, `retries`, `partitioner`, `log_level`). Anything
-/// else stays in the value, so `sasl.password=a,b` or a JAAS configuration keeps its commas,
-/// and the rule is the one `txinbox::redact` masks by: no piece of a value is ever taken for a
-/// property of its own.
+/// Reads [`KafkaProperties`] by [`txinbox_kafka::parse_properties`]: `KEY=VALUE`, or several
+/// separated by `,` where a property name and `=` follow it (`sasl.password=a,b` keeps its
+/// comma).
 ///
 /// A malformed value is refused without being shown (it may hold a secret), unlike clap's own
 /// "invalid value '…'" errors.
@@ -183,47 +180,9 @@ impl clap::builder::TypedValueParser for KafkaPropertiesParser {
     }
 }
 
-/// See [`KafkaPropertiesParser`].
+/// See [`KafkaPropertiesParser`]: [`txinbox_kafka::parse_properties`].
 pub fn kafka_properties(text: &str) -> Result<KafkaProperties, String> {
-    let mut starts = vec![0];
-    for (comma, _) in text.match_indices(',') {
-        let rest = &text[comma + 1..];
-        if rest
-            .split_once('=')
-            .is_some_and(|(key, _)| is_property_name(key.trim()))
-        {
-            starts.push(comma + 1);
-        }
-    }
-    starts.push(text.len() + 1);
-    let mut properties = Vec::new();
-    for pair in starts.windows(2) {
-        let piece = &text[pair[0]..pair[1] - 1];
-        match piece.split_once('=') {
-            Some((key, value)) if !key.trim().is_empty() => {
-                properties.push((key.trim().to_owned(), value.to_owned()))
-            }
-            _ => {
-                return Err(
-                    "expected KEY=VALUE, or several as KEY=VALUE,KEY=VALUE (e.g. session.timeout.ms=6000)"
-                        .into(),
-                )
-            }
-        }
-    }
-    Ok(KafkaProperties(properties))
-}
-
-/// A librdkafka property name: dotted lowercase (`sasl.password`), or an undotted one.
-fn is_property_name(key: &str) -> bool {
-    let dotted = key.contains('.')
-        && key.split('.').all(|part| {
-            !part.is_empty()
-                && part
-                    .bytes()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_')
-        });
-    dotted || ["acks", "debug", "retries", "partitioner", "log_level"].contains(&key)
+    txinbox_kafka::parse_properties(text).map(KafkaProperties)
 }
 
 #[cfg(test)]

@@ -64,10 +64,14 @@ struct Args {
     /// Kafka: the consumer group.
     #[arg(long, env = "KAFKA_GROUP", hide_env_values = true, default_value = "ledger")]
     group: String,
-    /// Kafka: extra librdkafka consumer properties, KEY=VALUE (repeatable), e.g.
-    /// `session.timeout.ms=6000`. Several in one value are separated by `,` where a property
-    /// name and `=` follow it; any other `,` is part of the value (`sasl.password=a,b`).
+    /// Kafka: librdkafka client properties, KEY=VALUE, repeatable like kcat's `-X`:
+    /// `-X security.protocol=SASL_SSL -X sasl.mechanisms=PLAIN -X sasl.username=… -X
+    /// sasl.password=…`, `-X ssl.ca.location=/path/ca.pem`, `-X session.timeout.ms=6000`. The
+    /// security settings also go to the dead-letter producer. Several in one value are separated
+    /// by `,` where a property name and `=` follow it; any other `,` is part of the value
+    /// (`sasl.password=a,b`). Values are never printed.
     #[arg(
+        short = 'X',
         long = "kafka-property",
         env = "LEDGER_KAFKA_PROPERTIES",
         hide_env_values = true,

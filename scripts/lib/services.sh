@@ -5,6 +5,8 @@
 # without Docker, installing (apt) and starting whatever is missing. Each function prints one line.
 #
 #   ensure_rust [fmt] [clippy]  cargo on PATH (never downloads a toolchain), optional components
+#   ensure_build_libs           the C libraries txinbox-kafka's features link (OpenSSL, Cyrus SASL,
+#                               libcurl) with their headers, and pkg-config to find them
 #   ensure_postgres             PostgreSQL on 127.0.0.1:5432, trust auth; exports DATABASE_URL and
 #                               TXINBOX_PG_BIN (initdb/pg_ctl for tests that run a private cluster)
 #   ensure_rabbitmq             RabbitMQ on 127.0.0.1:5672; exports AMQP_URL
@@ -71,6 +73,24 @@ ensure_rust() {
         fi
     done
     echo "rust: $(cargo --version)${*:+ (with $*)}"
+}
+
+ensure_build_libs() {
+    # pkg-config module => Debian package: `ssl` (default) links OpenSSL, `gssapi` Cyrus SASL,
+    # `oidc` libcurl; CI builds with --all-features, so all of them.
+    local wanted=(openssl:libssl-dev libsasl2:libsasl2-dev libcurl:libcurl4-openssl-dev) missing=() w
+    if ! command -v pkg-config >/dev/null 2>&1; then missing+=(pkg-config); fi
+    for w in "${wanted[@]}"; do
+        if ! command -v pkg-config >/dev/null 2>&1 || ! pkg-config --exists "${w%%:*}"; then
+            missing+=("${w#*:}")
+        fi
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+        _txinbox_apt_install "${missing[@]}" || return 1
+        echo "build libs: installed $(_txinbox_join "${missing[@]}")"
+    else
+        echo "build libs: OpenSSL, Cyrus SASL and libcurl headers present"
+    fi
 }
 
 ensure_postgres() {

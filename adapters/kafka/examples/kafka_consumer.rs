@@ -20,6 +20,11 @@
 //! cargo run -p txinbox-kafka --example kafka_consumer
 //! ```
 //!
+//! Over TLS or SASL, give the client properties as `-X key=value` (like kcat), e.g.
+//! `cargo run -p txinbox-kafka --example kafka_consumer -- -X security.protocol=SSL -X
+//! ssl.ca.location=/var/lib/txinbox/tls/ca.pem --brokers 127.0.0.1:9094` against the TLS
+//! listener `scripts/lib/tansu.sh`'s `ensure_tansu_tls` starts.
+//!
 //! `RUST_LOG` (default `warn,txinbox_kafka=info`) controls the logs, written to stderr; the
 //! directives of `txinbox::redact::LOG_DIRECTIVES` are added whatever it says, so no dependency
 //! logs a credential. `--help` lists the flags and does nothing else.
@@ -60,6 +65,20 @@ struct Args {
         default_value = "postgres://postgres@127.0.0.1:5432/postgres"
     )]
     database_url: String,
+    /// A librdkafka client property, KEY=VALUE, repeatable like kcat's `-X`, for the admin
+    /// client, the producer and the consumer: `-X security.protocol=SSL -X
+    /// ssl.ca.location=/path/ca.pem`, or `-X security.protocol=SASL_SSL -X
+    /// sasl.mechanisms=SCRAM-SHA-512 -X sasl.username=… -X sasl.password=…`. Several in one value
+    /// (and in KAFKA_PROPERTIES) are separated by `,` where a property name and `=` follow it.
+    /// Values are never printed.
+    #[arg(
+        short = 'X',
+        long = "kafka-property",
+        env = "KAFKA_PROPERTIES",
+        hide_env_values = true,
+        value_name = "KEY=VALUE"
+    )]
+    kafka_properties: Vec<String>,
 }
 
 const CONSUMER: &str = "kafka-example";
@@ -98,6 +117,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let Args {
         brokers,
         database_url,
+        kafka_properties,
     } = <Args as clap::Parser>::try_parse().unwrap_or_else(|e| {
         let text = e.render().to_string();
         if e.use_stderr() {
@@ -107,6 +127,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         std::process::exit(e.exit_code());
     });
+    let mut properties = Vec::new();
+    for text in &kafka_properties {
+        match txinbox_kafka::parse_properties(text) {
+            Ok(p) => properties.extend(p),
+            Err(why) => {
+                // Not the value: it may hold a secret.
+                eprintln!(
+                    "error: -X / --kafka-property: {why} (the value is not shown: it may hold a secret)"
+                );
+                std::process::exit(2);
+            }
+        }
+    }
+    // Every client of the example (admin, producer, consumer) gets the same security settings.
+    let client_config = || {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &brokers);
+        for (k, v) in &properties {
+            c.set(k, v);
+        }
+        c
+    };
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,txinbox_kafka=info".into());
     for directive in txinbox::redact::LOG_DIRECTIVES {
         filter = filter.add_directive(directive.parse()?);
@@ -135,8 +177,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A fresh topic, so reruns against the same broker start clean.
     let stamp = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs();
     let topic = format!("deposits-example-{stamp}");
-    let admin: AdminClient<DefaultClientContext> =
-        ClientConfig::new().set("bootstrap.servers", &brokers).create()?;
+    let admin: AdminClient<DefaultClientContext> = client_config().create()?;
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     let dlq = format!("{topic}.dlq");
     let topics = [
@@ -148,7 +189,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // The producer: any Kafka client would do; txinbox is not involved.
-    let producer: FutureProducer = ClientConfig::new().set("bootstrap.servers", &brokers).create()?;
+    let producer: FutureProducer = client_config().create()?;
     let mut expected = 0;
     let mut reports: Vec<rdkafka::producer::DeliveryFuture> = Vec::new();
     for i in 0..EVENTS {
@@ -196,11 +237,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The consumer service.
     let inbox = PostgresInbox::new(pool.clone());
-    let config = KafkaConfig::new(&brokers, format!("{topic}-group"))
+    let mut config = KafkaConfig::new(&brokers, format!("{topic}-group"))
         .topic(&topic)
         // Any librdkafka property passes through. A short session timeout makes a new group
         // form quickly on tansu, which waits about half of it for more members to join.
         .set("session.timeout.ms", "6000");
+    for (k, v) in &properties {
+        // The security settings reach the dead-letter producer too.
+        config = config.set(k, v);
+    }
     let source = KafkaSource::new(config)?;
     let consumer = Consumer::builder(CONSUMER)
         .source(source)

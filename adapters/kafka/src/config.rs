@@ -231,6 +231,62 @@ pub(crate) fn masked_error(e: &rdkafka::error::KafkaError, config: &rdkafka::Cli
     text
 }
 
+/// librdkafka properties from one command-line value or environment variable, in order:
+/// `KEY=VALUE`, or several separated by `,` — but only where a property name and `=` follow
+/// the `,` (a dotted name such as `session.timeout.ms`, or one of librdkafka's undotted `acks`,
+/// `debug`, `retries`, `partitioner`, `log_level`). Anything else stays in the value, so
+/// `sasl.password=a,b` or a JAAS configuration keeps its commas, and the rule is the one
+/// [`txinbox::redact`] masks by: no piece of a value is ever taken for a property of its own.
+/// What the `txinbox` CLI's and the examples' `-X` / `--kafka-property` read.
+///
+/// The error never contains the text (it may hold a secret).
+///
+/// ```
+/// let props = txinbox_kafka::parse_properties("security.protocol=SASL_SSL,sasl.password=a,b").unwrap();
+/// assert_eq!(props, [("security.protocol".into(), "SASL_SSL".into()), ("sasl.password".into(), "a,b".into())]);
+/// ```
+pub fn parse_properties(text: &str) -> Result<Vec<(String, String)>, String> {
+    let mut starts = vec![0];
+    for (comma, _) in text.match_indices(',') {
+        let rest = &text[comma + 1..];
+        if rest
+            .split_once('=')
+            .is_some_and(|(key, _)| is_property_name(key.trim()))
+        {
+            starts.push(comma + 1);
+        }
+    }
+    starts.push(text.len() + 1);
+    let mut properties = Vec::new();
+    for pair in starts.windows(2) {
+        let piece = &text[pair[0]..pair[1] - 1];
+        match piece.split_once('=') {
+            Some((key, value)) if !key.trim().is_empty() => {
+                properties.push((key.trim().to_owned(), value.to_owned()))
+            }
+            _ => {
+                return Err(
+                    "expected KEY=VALUE, or several as KEY=VALUE,KEY=VALUE (e.g. security.protocol=SSL)"
+                        .into(),
+                )
+            }
+        }
+    }
+    Ok(properties)
+}
+
+/// A librdkafka property name: dotted lowercase (`sasl.password`), or an undotted one.
+fn is_property_name(key: &str) -> bool {
+    let dotted = key.contains('.')
+        && key.split('.').all(|part| {
+            !part.is_empty()
+                && part
+                    .bytes()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_')
+        });
+    dotted || ["acks", "debug", "retries", "partitioner", "log_level"].contains(&key)
+}
+
 impl KafkaConfig {
     /// Consume as member of consumer group `group_id` from `brokers` (`host:port[,host:port]`;
     /// use `127.0.0.1`, not `localhost`, for brokers listening on IPv4 only).

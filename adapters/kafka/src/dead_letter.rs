@@ -8,6 +8,8 @@ use std::time::Duration;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+
+use crate::connection::ConnectionContext;
 use txinbox::dead_letter::DeadLetter;
 use txinbox::retry::Backoff;
 use txinbox::source::SettleError;
@@ -316,7 +318,7 @@ enum Lookup {
 /// One metadata request for `topic`, through the dead-letter producer (with the producer's own
 /// `allow.auto.create.topics`, so a broker that would create the topic for the first dead
 /// letter creates it now instead). Blocks up to [`TOPIC_LOOKUP_TIMEOUT`].
-fn look_up(producer: &FutureProducer, topic: &str) -> Lookup {
+fn look_up(producer: &FutureProducer<ConnectionContext>, topic: &str) -> Lookup {
     let metadata = match producer
         .client()
         .fetch_metadata(Some(topic), TOPIC_LOOKUP_TIMEOUT)

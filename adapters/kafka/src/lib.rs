@@ -55,6 +55,7 @@
 //! | dead letter too large for the dead-letter topic | a copy without the payload (size and SHA-256 in headers), then without the original headers too; the partition moves on |
 //! | dead-letter topic refuses for good (authorization, invalid topic) | ERROR, counted in [`telemetry::DEAD_LETTERS_REFUSED`]; the database's dead-letter row is the record; the partition moves on |
 //! | dead-letter topic unavailable (transient) | retried while assigned (fail closed), visible in [`telemetry::DEAD_LETTERS_WAITING`] and a WARN with the partition |
+//! | the brokers refuse the connection (a CA that is not trusted, a certificate for another host, a client certificate required, a SASL login refused, plaintext at a TLS listener) | librdkafka retries; the consumer is not ready with a `kafka-connection` problem that says what to change, in librdkafka's words ([`ConnectionContext`]); nothing is acked or skipped |
 //! | two consumer groups under one consumer name | the source stops with a fatal error (they would share one inbox and skip each other's messages) |
 //! | shutdown | intake stops, in-flight messages finish, final offsets are committed synchronously, the consumer leaves the group off the async runtime within [`KafkaConfig::close_timeout`] |
 //!
@@ -78,6 +79,7 @@
 
 mod assignment;
 mod config;
+mod connection;
 mod dead_letter;
 mod delivery;
 mod poller;
@@ -90,12 +92,20 @@ mod state;
 mod tracker;
 
 pub use config::{
-    KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT, DEFAULT_DEAD_LETTER_TIMEOUT,
-    DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
+    parse_properties, KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT,
+    DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
+pub use connection::ConnectionContext;
 pub use delivery::KafkaDelivery;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::KafkaSource;
+
+/// The rdkafka this crate is built with, for a service's own Kafka clients and types
+/// (`rdkafka::ClientConfig`, admin calls): one rdkafka in the build, with the features this
+/// crate enables (`ssl`, `zstd`, …). rdkafka-sys links librdkafka, so a dependency graph can
+/// hold only one rdkafka-sys anyway; a service that names `rdkafka = "0.39"` itself shares this
+/// one and may add features to it (Cargo unifies them).
+pub use rdkafka;
 
 /// Headers added to every dead-letter record (besides the original record's headers).
 pub mod headers {

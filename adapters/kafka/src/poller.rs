@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
@@ -14,7 +15,8 @@ use tokio::sync::mpsc;
 use txinbox::{message::Headers, message::Origin, source::SourceError, Message};
 
 use crate::assignment::Recheck;
-use crate::state::{Item, Shared};
+use crate::connection::ConnectionContext;
+use crate::state::{problem, Item, Shared};
 use crate::telemetry;
 
 /// How long one `poll` waits; also the longest delay before a settled offset is stored.
@@ -24,13 +26,39 @@ const POLL_INTERVAL: Duration = Duration::from_millis(50);
 pub(crate) struct PollerContext {
     pub(crate) shared: Arc<Shared>,
     pub(crate) runtime: tokio::runtime::Handle,
+    /// Reads librdkafka's errors and log lines for problems only a configuration change fixes
+    /// (TLS, SASL): reported to the consumer's health until a broker is up.
+    pub(crate) connection: ConnectionContext,
     pub(crate) last_error: Mutex<String>,
     /// The partitions whose lag gauge was last set (zeroed once no longer assigned).
     pub(crate) lag_reported: Mutex<Vec<(Arc<str>, i32)>>,
 }
 
+impl PollerContext {
+    /// Reports a new connection problem found in librdkafka's `text` to the consumer's health.
+    fn observe(&self, text: &str) -> bool {
+        match self.connection.observe(text) {
+            Some(problem) => {
+                self.shared.set_problems(problem::CONNECTION, vec![problem]);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
 impl ClientContext for PollerContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        crate::connection::forward_log(level, fac, log_message);
+        if fac == "FAIL" {
+            self.observe(log_message);
+        }
+    }
+
     fn error(&self, error: KafkaError, reason: &str) {
+        if self.observe(reason) {
+            return;
+        }
         // Broker disconnects and the like: librdkafka retries by itself. Log each new one once.
         let text = format!("{error}: {reason}");
         let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
@@ -50,6 +78,11 @@ impl ClientContext for PollerContext {
                 .values()
                 .any(|b| b.nodeid >= 0 && b.state == "UP");
             health.set_connected(up);
+            if up && self.connection.problem().is_some() {
+                self.connection.clear();
+                self.shared
+                    .set_problems(problem::CONNECTION, Vec::<String>::new());
+            }
         }
         let mut now = Vec::new();
         let consumer = {

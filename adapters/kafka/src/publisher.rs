@@ -12,7 +12,33 @@ use txinbox::async_trait;
 use txinbox::outbox::{CloudEventsBinding, OutboxMessage, PublishError, Publisher, DEFAULT_SOURCE};
 
 use crate::config::{masked_error, Properties};
+use crate::connection::ConnectionContext;
 use crate::produce;
+
+/// The publisher's producer: its context keeps the last connection problem (TLS, SASL) for the
+/// errors [`publish`](Publisher::publish) and [`probe`](Publisher::probe) return.
+struct Producer {
+    inner: FutureProducer<ConnectionContext>,
+    connection: ConnectionContext,
+}
+
+fn create(config: &rdkafka::ClientConfig) -> Result<Producer, KafkaError> {
+    let mut config = config.clone();
+    let connection = ConnectionContext::new(&mut config);
+    Ok(Producer {
+        inner: config.create_with_context(connection.clone())?,
+        connection,
+    })
+}
+
+/// `text`, followed by the producer's connection problem (a refused TLS handshake, failed SASL
+/// authentication) if it has one: the reason a delivery timed out, in words a user can act on.
+fn with_problem(text: String, producer: &Producer) -> String {
+    match producer.connection.problem() {
+        Some(problem) => format!("{text}; the brokers cannot be used: {problem}"),
+        None => text,
+    }
+}
 
 /// Default for [`KafkaPublisher::delivery_timeout`].
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -58,7 +84,7 @@ const OWNED: &[(&str, &str)] = &[
 pub struct KafkaPublisher {
     config: rdkafka::ClientConfig,
     source: String,
-    producer: Mutex<Arc<FutureProducer>>,
+    producer: Mutex<Arc<Producer>>,
     delivery_timeout: Duration,
     /// The topic of the last publish: what [`probe`](Publisher::probe) asks about.
     last_topic: Mutex<Option<String>>,
@@ -110,17 +136,17 @@ impl KafkaPublisher {
         self.delivery_timeout
     }
 
-    fn current(&self) -> Arc<FutureProducer> {
+    fn current(&self) -> Arc<Producer> {
         Arc::clone(&self.producer.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Replaces `failed` (unless a concurrent publish did already) after a fatal error.
-    fn replace(&self, failed: &Arc<FutureProducer>, code: RDKafkaErrorCode, reason: &str) {
+    fn replace(&self, failed: &Arc<Producer>, code: RDKafkaErrorCode, reason: &str) {
         let mut current = self.producer.lock().unwrap_or_else(|p| p.into_inner());
         if !Arc::ptr_eq(&current, failed) {
             return;
         }
-        let fresh: FutureProducer = match self.config.create() {
+        let fresh = match create(&self.config) {
             Ok(p) => p,
             Err(e) => {
                 let error = masked_error(&e, &self.config);
@@ -203,7 +229,7 @@ impl KafkaPublisherBuilder {
         for (k, v) in &self.properties {
             c.set(k, v);
         }
-        let producer: FutureProducer = c.create().map_err(|e| {
+        let producer = create(&c).map_err(|e| {
             txinbox::Error::Config(format!(
                 "KafkaPublisher: creating the producer failed: {}",
                 masked_error(&e, &c)
@@ -219,11 +245,14 @@ impl KafkaPublisherBuilder {
     }
 }
 
-fn classify(e: KafkaError, message: &OutboxMessage) -> PublishError {
-    let text = format!(
-        "publishing {} to Kafka topic {} failed: {e}",
-        message.message_id(),
-        message.destination()
+fn classify(e: KafkaError, message: &OutboxMessage, producer: &Producer) -> PublishError {
+    let text = with_problem(
+        format!(
+            "publishing {} to Kafka topic {} failed: {e}",
+            message.message_id(),
+            message.destination()
+        ),
+        producer,
     );
     if produce::classify(&e).is_permanent() {
         PublishError::permanent(text)
@@ -258,10 +287,13 @@ impl Publisher for KafkaPublisher {
         // Waits while the local queue is full, then for the delivery report; bounded by
         // message.timeout.ms (and the relay's own publish_timeout).
         let producer = self.current();
-        match producer.send(record, self.delivery_timeout).await {
-            Ok(_) => Ok(()),
+        match producer.inner.send(record, self.delivery_timeout).await {
+            Ok(_) => {
+                producer.connection.clear();
+                Ok(())
+            }
             Err((e, _)) => {
-                if let Some((code, reason)) = producer.client().fatal_error() {
+                if let Some((code, reason)) = producer.inner.client().fatal_error() {
                     self.replace(&producer, code, &reason);
                     return Err(PublishError::transient(format!(
                         "publishing {} to Kafka topic {}: the producer failed fatally ({reason}); retried through a new producer",
@@ -269,7 +301,7 @@ impl Publisher for KafkaPublisher {
                         message.destination()
                     )));
                 }
-                Err(classify(e, message))
+                Err(classify(e, message, &producer))
             }
         }
     }
@@ -284,9 +316,10 @@ impl Publisher for KafkaPublisher {
         // A blocking request: off the runtime's workers.
         let answer = tokio::task::spawn_blocking(move || {
             let metadata = producer
+                .inner
                 .client()
                 .fetch_metadata(topic.as_deref(), timeout)
-                .map_err(|e| format!("no metadata from the brokers: {e}"))?;
+                .map_err(|e| with_problem(format!("no metadata from the brokers: {e}"), &producer))?;
             let Some(topic) = topic else { return Ok(()) };
             let t = metadata
                 .topics()
@@ -348,9 +381,10 @@ mod tests {
     #[test]
     fn too_large_is_permanent_and_broker_trouble_transient() {
         let m = OutboxMessage::new("id", "t", "p");
+        let p = create(rdkafka::ClientConfig::new().set("bootstrap.servers", "127.0.0.1:1")).unwrap();
         let produce = |c| KafkaError::MessageProduction(c);
-        assert!(classify(produce(RDKafkaErrorCode::MessageSizeTooLarge), &m).is_permanent());
-        assert!(!classify(produce(RDKafkaErrorCode::MessageTimedOut), &m).is_permanent());
-        assert!(!classify(produce(RDKafkaErrorCode::UnknownTopicOrPartition), &m).is_permanent());
+        assert!(classify(produce(RDKafkaErrorCode::MessageSizeTooLarge), &m, &p).is_permanent());
+        assert!(!classify(produce(RDKafkaErrorCode::MessageTimedOut), &m, &p).is_permanent());
+        assert!(!classify(produce(RDKafkaErrorCode::UnknownTopicOrPartition), &m, &p).is_permanent());
     }
 }

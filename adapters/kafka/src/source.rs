@@ -14,6 +14,7 @@ use txinbox::source::{Capabilities, RetryMode, SourceError};
 use txinbox::{IdStrategy, MessageSource};
 
 use crate::config::{masked_error, KafkaConfig};
+use crate::connection::ConnectionContext;
 use crate::delivery::KafkaDelivery;
 use crate::poller::{poll_loop, PollerContext};
 use crate::ready::Ready;
@@ -95,13 +96,16 @@ impl KafkaSource {
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             txinbox::Error::Config("KafkaSource::new must be called inside a Tokio runtime".into())
         })?;
-        let producer_config = config.producer_config();
-        let producer: FutureProducer = producer_config.create().map_err(|e| {
-            txinbox::Error::Config(format!(
-                "creating the dead-letter producer failed: {}",
-                masked_error(&e, &producer_config)
-            ))
-        })?;
+        let mut producer_config = config.producer_config();
+        let producer_context = ConnectionContext::new(&mut producer_config);
+        let producer: FutureProducer<ConnectionContext> = producer_config
+            .create_with_context(producer_context)
+            .map_err(|e| {
+                txinbox::Error::Config(format!(
+                    "creating the dead-letter producer failed: {}",
+                    masked_error(&e, &producer_config)
+                ))
+            })?;
         let shared = Arc::new(Shared {
             config: config.clone(),
             state: Mutex::new(State::new()),
@@ -112,13 +116,14 @@ impl KafkaSource {
             health: OnceLock::new(),
             positions: OnceLock::new(),
         });
+        let mut consumer_config = config.consumer_config();
         let context = PollerContext {
             shared: shared.clone(),
             runtime: runtime.clone(),
+            connection: ConnectionContext::new(&mut consumer_config),
             last_error: Mutex::new(String::new()),
             lag_reported: Mutex::new(Vec::new()),
         };
-        let consumer_config = config.consumer_config();
         let consumer: BaseConsumer<PollerContext> =
             consumer_config.create_with_context(context).map_err(|e| {
                 txinbox::Error::Config(format!(

@@ -10,6 +10,7 @@ use rdkafka::producer::FutureProducer;
 use txinbox::{position::ConsumerPositions, Message};
 
 use crate::config::KafkaConfig;
+use crate::connection::ConnectionContext;
 use crate::telemetry;
 use crate::tracker::{Generation, Partition};
 
@@ -22,6 +23,9 @@ pub(crate) mod problem {
     pub(crate) const HELD: &str = "kafka-held-partitions";
     /// Dead-letter topics the broker says do not exist.
     pub(crate) const DEAD_LETTER_TOPICS: &str = "kafka-dead-letter-topics";
+    /// The brokers refuse the connection in a way only a configuration change fixes (TLS,
+    /// SASL, a plaintext client at a TLS listener): [`crate::connection::diagnose`].
+    pub(crate) const CONNECTION: &str = "kafka-connection";
 }
 
 /// State shared by the source, the poller thread, the rebalance callback and the deliveries.
@@ -32,7 +36,7 @@ pub(crate) struct Shared {
     pub(crate) settled: Condvar,
     /// Set by `close` or drop: the poller leaves its loop.
     pub(crate) stop: AtomicBool,
-    pub(crate) producer: FutureProducer,
+    pub(crate) producer: FutureProducer<ConnectionContext>,
     /// A reason to stop the consumer found inside a rebalance callback (which cannot return
     /// one); the poller hands it to `receive`.
     pub(crate) fatal: Mutex<Option<String>>,

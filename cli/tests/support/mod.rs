@@ -14,6 +14,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use txinbox::sqlx::postgres::PgPool;
 use txinbox::sqlx::{self, Executor};
+use txinbox_kafka::rdkafka;
 use txinbox_kafka::{KafkaConfig, KafkaSource};
 use txinbox_testing::database::TestDatabase;
 pub use txinbox_testing::ledger::{deposit, DepositHandler};

@@ -50,6 +50,10 @@ fn secret_environment() -> Vec<(&'static str, String)> {
             "LEDGER_KAFKA_PROPERTIES",
             format!("sasl.password={SECRET},ssl.key.password={SECRET}"),
         ),
+        (
+            "KAFKA_PROPERTIES",
+            format!("sasl.password={SECRET},ssl.key.password={SECRET}"),
+        ),
     ]
 }
 
@@ -75,6 +79,7 @@ fn run(
         "KAFKA_BROKERS",
         "RUST_LOG",
         "LEDGER_KAFKA_PROPERTIES",
+        "KAFKA_PROPERTIES",
         "LEDGER_SOURCE",
         "AMQP_CA_FILE",
         "AMQP_CLIENT_CERT",
@@ -154,11 +159,19 @@ fn the_ledger_keeps_a_kafka_property_whole_and_never_echoes_it() {
         vec![database.clone()],
     );
     let jaas_case = (vec!["--source", "kafka", &jaas], vec![database.clone()]);
+    // kcat's form: -X KEY=VALUE, a SASL password and a TLS key password.
+    let key_password = format!("ssl.key.password={secret}");
+    let x_case = (
+        vec!["--source", "kafka", "-X", &flag, "-X", &key_password],
+        vec![database.clone()],
+    );
+    let x_joined = format!("-Xsasl.password={secret}");
+    let x_joined_case = (vec!["--source", "kafka", &x_joined], vec![database.clone()]);
     let env_case = (
         vec!["--source", "kafka"],
         vec![database.clone(), ("LEDGER_KAFKA_PROPERTIES", listed)],
     );
-    for (args, env) in [flag_case, jaas_case, env_case] {
+    for (args, env) in [flag_case, jaas_case, env_case, x_case, x_joined_case] {
         let args = &args[..];
         for level in LOG_LEVELS {
             let mut env = env.clone();
@@ -366,6 +379,77 @@ fn the_adapter_demos_never_show_a_secret() {
             }
         }
     });
+}
+
+/// A `-X` value that is not `KEY=VALUE` is refused with exit 2, without being shown (it may be
+/// a password pasted without its name), by the ledger and by the Kafka adapter's demo.
+#[test]
+fn a_malformed_x_property_is_refused_without_its_value() {
+    for name in ["ledger", "kafka_consumer"] {
+        let Some(out) = run(name, &["-X", SECRET], &[], None, Duration::from_secs(30)) else {
+            continue;
+        };
+        assert!(
+            out.code == Some(2) && out.stderr.contains("KEY=VALUE"),
+            "{name} -X {SECRET}: expected a refusal with exit 2, got exit {:?}:\n{}",
+            out.code,
+            out.all()
+        );
+        assert_hidden(&format!("{name} -X"), &out, SECRET);
+    }
+}
+
+/// The ledger on Kafka over SASL_SSL with its password as `-X sasl.password=…`, against the
+/// SASL listener of `ensure_tansu_tls` (which refuses the login), at every log level: the
+/// refusal is reported (what to change, librdkafka's words), the password never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ledger_over_sasl_ssl_never_shows_the_password() {
+    let brokers = std::env::var("KAFKA_SASL_SSL_BROKERS").unwrap_or_else(|_| "127.0.0.1:9098".into());
+    let tls_dir = std::env::var("TXINBOX_TLS_DIR").unwrap_or_else(|_| "/var/lib/txinbox/tls".into());
+    let ca = format!("ssl.ca.location={tls_dir}/ca.pem");
+    assert!(
+        std::path::Path::new(&tls_dir).join("ca.pem").is_file(),
+        "{tls_dir}/ca.pem is missing: run ensure_test_certs and ensure_tansu_tls (scripts/lib/tls.sh, scripts/lib/tansu.sh)"
+    );
+    let db = TestDatabase::builder("examples_t").migrate(false).create().await;
+    let password = format!("sasl.password={SECRET}");
+    for level in LOG_LEVELS {
+        let mut env = vec![("DATABASE_URL", db.url().to_owned())];
+        env.extend(level.map(|l| ("RUST_LOG", l.to_owned())));
+        let args = [
+            "--source",
+            "kafka",
+            "--brokers",
+            &brokers,
+            "-X",
+            "security.protocol=SASL_SSL",
+            "-X",
+            &ca,
+            "-X",
+            "sasl.mechanisms=SCRAM-SHA-512",
+            "-X",
+            "sasl.username=ledger",
+            "-X",
+            &password,
+        ];
+        let out = tokio::task::block_in_place(|| {
+            run(
+                "ledger",
+                &args,
+                &env,
+                Some("SASL authentication failed"),
+                Duration::from_secs(60),
+            )
+        });
+        let Some(out) = out else { return };
+        assert!(
+            out.stopped && out.all().contains("SASL authentication failed"),
+            "ledger over SASL_SSL ({level:?}): expected the refused login to be reported:\n{}",
+            out.all()
+        );
+        assert_hidden(&format!("ledger over SASL_SSL ({level:?})"), &out, SECRET);
+    }
+    db.drop_database().await;
 }
 
 /// `host:port/vhost` of the test RabbitMQ (`AMQP_URL`, default the local broker).

@@ -170,12 +170,20 @@ pub struct Producer {
 
 impl Producer {
     pub fn new(brokers: &str) -> Producer {
-        let inner = ClientConfig::new()
+        Producer::with(brokers, &[])
+    }
+
+    /// A producer with extra librdkafka `properties` (security settings).
+    pub fn with(brokers: &str, properties: &[(&str, String)]) -> Producer {
+        let mut config = ClientConfig::new();
+        config
             .set("bootstrap.servers", brokers)
             .set("message.timeout.ms", "60000")
-            .set("linger.ms", "5")
-            .create()
-            .expect("create producer");
+            .set("linger.ms", "5");
+        for (k, v) in properties {
+            config.set(*k, v);
+        }
+        let inner = config.create().expect("create producer");
         Producer { inner }
     }
 
@@ -375,13 +383,28 @@ pub fn read_all(
     n: usize,
     within: Duration,
 ) -> Vec<rdkafka::message::OwnedMessage> {
+    read_all_with(brokers, &[], topic, partitions, n, within)
+}
+
+/// [`read_all`] with extra librdkafka `properties` (security settings).
+pub fn read_all_with(
+    brokers: &str,
+    properties: &[(&str, String)],
+    topic: &str,
+    partitions: i32,
+    n: usize,
+    within: Duration,
+) -> Vec<rdkafka::message::OwnedMessage> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
-    let consumer: BaseConsumer = ClientConfig::new()
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", brokers)
         .set("group.id", "reader")
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
+        .set("enable.auto.commit", "false");
+    for (k, v) in properties {
+        config.set(*k, v);
+    }
+    let consumer: BaseConsumer = config.create().unwrap();
     let mut tpl = rdkafka::TopicPartitionList::new();
     for p in 0..partitions {
         tpl.add_partition_offset(topic, p, rdkafka::Offset::Beginning)
