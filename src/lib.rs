@@ -116,7 +116,7 @@ pub mod outbox;
 /// `txinbox._sqlx_migrations`, apart from the application's own.
 #[cfg(feature = "postgres")]
 pub mod postgres {
-    pub use crate::store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+    pub use crate::store::postgres::{check_tls_files, migrate, migrator, PostgresInbox, SCHEMA};
 }
 
 /// The embedded SQLite inbox store and its migrations (feature `sqlite`).
