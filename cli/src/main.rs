@@ -35,7 +35,9 @@ use kafka::Kafka;
 const AFTER_HELP: &str = "\
 Exit codes:
   0  done
-  1  the operation failed or was refused (the message says why and what to do)
+  1  the operation failed or was refused (the message says why and what to do), or the
+     database refused the connection's TLS (an unknown CA, a certificate for another host,
+     plaintext to a TLS-only server): a configuration error, retrying does not help
   2  bad arguments
   3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
 
@@ -63,7 +65,9 @@ struct Cli {
     #[arg(long, global = true)]
     json: bool,
     /// The database holding the inbox: postgres://user@host:port/database, or the embedded
-    /// store's file as sqlite:path or sqlite://path.
+    /// store's file as sqlite:path or sqlite://path. TLS as with libpq:
+    /// ?sslmode=verify-full&sslrootcert=/path/to/ca.pem (sslmode=require encrypts without
+    /// checking; sslcert and sslkey for a client certificate).
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Kafka bootstrap servers (host:port,...), for status, replay, positions and Kafka
@@ -428,6 +432,9 @@ impl Env {
                 "--database-url / DATABASE_URL: the user or password holds an unencoded `{c}`, which ends them early in a URL (the rest would be taken for the host, port or database); percent-encode it: `/` as %2F, `?` as %3F, `#` as %23, `@` as %40"
             )));
         }
+        // A certificate or key file that cannot be read, named before connecting (sqlx would
+        // say only "No such file or directory").
+        txinbox::postgres::check_tls_files(url).map_err(CliError::BadArgs)?;
         let options: PgConnectOptions = url.parse().map_err(|_| {
             CliError::BadArgs(if !url.contains("://") && url.contains('=') {
                 "--database-url / DATABASE_URL looks like a libpq key=value string, which is not supported; write it as a URL: postgres://user:password@host:port/database (percent-encode `/`, `?`, `#`, `@` in the password)".to_owned()
@@ -447,12 +454,7 @@ impl Env {
         let probe = tokio::time::timeout(Duration::from_secs(5), options.connect()).await;
         match probe {
             Ok(Ok(conn)) => drop(conn.close().await),
-            Ok(Err(e)) => {
-                return Err(CliError::Unreachable {
-                    service,
-                    detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
-                })
-            }
+            Ok(Err(e)) => return Err(connect_error(service, e)),
             Err(_) => {
                 return Err(CliError::Unreachable {
                     service,
@@ -467,10 +469,7 @@ impl Env {
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(txinbox::PostgresInbox::connect_options(options))
             .await
-            .map_err(|e| CliError::Unreachable {
-                service,
-                detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
-            })?;
+            .map_err(|e| connect_error(service, e))?;
         if !migrating {
             let ready: bool =
                 txinbox::sqlx::query_scalar("SELECT to_regclass('txinbox.retention') IS NOT NULL")
@@ -572,6 +571,22 @@ async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
         }
     }
     Ok(pool)
+}
+
+/// Why connecting to `service` failed: a refused TLS connection (an unknown CA, a certificate
+/// for another host, plaintext to a TLS-only server: [`txinbox::store::tls_refusal`]) is a
+/// configuration error that says what to change, exit 1, as retrying cannot help; anything
+/// else is "cannot reach", exit 3.
+fn connect_error(service: String, e: txinbox::sqlx::Error) -> CliError {
+    match txinbox::store::tls_refusal(&e) {
+        Some(advice) => CliError::failed(format!(
+            "{service} refused the connection: {advice} ({e}; check --database-url / DATABASE_URL)"
+        )),
+        None => CliError::Unreachable {
+            service,
+            detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
+        },
+    }
 }
 
 fn main() {

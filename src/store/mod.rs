@@ -609,7 +609,11 @@ fn rustls_refusal(e: &rustls::Error) -> Option<String> {
                 if presented.is_empty() {
                     "no host".to_owned()
                 } else {
-                    presented.join(", ")
+                    presented
+                        .iter()
+                        .map(|name| bare_name(name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 }
             )
         }
@@ -648,6 +652,17 @@ fn rustls_refusal(e: &rustls::Error) -> Option<String> {
         ),
         _ => return None,
     })
+}
+
+/// A name as rustls presents it (`DnsName("db.example.com")`, `IpAddress(10.0.0.1)`), bare.
+#[cfg(feature = "tls")]
+fn bare_name(presented: &str) -> &str {
+    for (open, close) in [("DnsName(\"", "\")"), ("IpAddress(", ")")] {
+        if let Some(inner) = presented.strip_prefix(open).and_then(|p| p.strip_suffix(close)) {
+            return inner;
+        }
+    }
+    presented
 }
 
 /// A refused TLS connection ([`tls_refusal`]): the advice, then the driver's error.

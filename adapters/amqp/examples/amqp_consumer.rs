@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, Postgres};
 use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource};
@@ -44,7 +43,8 @@ struct Args {
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
     )]
     amqp_url: String,
-    /// The PostgreSQL database of the inbox and the balances. Its value is never printed.
+    /// The PostgreSQL database of the inbox and the balances. TLS as with libpq:
+    /// `?sslmode=verify-full&sslrootcert=/path/to/ca.pem`. Its value is never printed.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -105,10 +105,9 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing_subscriber::fmt().with_env_filter(filter).init();
 
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .connect_with(PostgresInbox::connect_options(database_url.parse()?))
-        .await?;
+    // TLS as the URL says (sslmode, sslrootcert, sslcert, sslkey); a refused connection says
+    // what to change.
+    let pool = PostgresInbox::connect(&database_url, 10).await?.pool().clone();
     txinbox::postgres::migrate(&pool).await?;
     pool.execute(
         "CREATE TABLE IF NOT EXISTS example_accounts (id text PRIMARY KEY, balance bigint NOT NULL)",

@@ -14,8 +14,10 @@
 use std::process::Command;
 use std::time::Duration;
 
+use txinbox_testing::cluster::PrivateCluster;
 use txinbox_testing::database::TestDatabase;
 use txinbox_testing::output::{capture, example, find_secret, Captured};
+use txinbox_testing::tls::TestCa;
 
 const SECRET: &str = "Kx9-Secret-Tail";
 
@@ -321,4 +323,114 @@ fn the_adapter_demos_never_show_a_secret() {
 fn txinbox_amqp_host() -> String {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     url.rsplit_once('@').map(|(_, h)| h.to_owned()).unwrap_or(url)
+}
+
+/// The URLs of the three refusals a user meets against `cluster`, a TLS-only server (issue 27),
+/// each with what its error must say: a certificate from a CA the client was not given
+/// (`other`), a host name the certificate does not name, and plaintext.
+fn tls_refusals(cluster: &PrivateCluster, ca: &TestCa, other: &TestCa) -> Vec<(String, &'static str)> {
+    let port = cluster.port();
+    vec![
+        (
+            format!(
+                "postgres://postgres@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={}",
+                other.cert_path().display()
+            ),
+            "set sslrootcert",
+        ),
+        (
+            format!(
+                "postgres://postgres@localhost:{port}/postgres?sslmode=verify-full&sslrootcert={}",
+                ca.cert_path().display()
+            ),
+            "not valid for host localhost",
+        ),
+        (
+            format!("postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable"),
+            "accepts TLS connections only",
+        ),
+    ]
+}
+
+/// The quickstart on PostgreSQL over TLS (issue 27): against a private server that refuses
+/// plaintext, with `sslmode=verify-full` and the server's CA in `--database-url`, it runs to its
+/// report; with a wrong CA, a wrong host name or plaintext it exits 1 saying what to change.
+#[test]
+fn the_quickstart_runs_on_postgres_over_tls() {
+    let ca = TestCa::new("examples test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let url = cluster.url("postgres");
+    let Some(out) = run(
+        "quickstart",
+        &["--database-url", &url],
+        &[],
+        None,
+        Duration::from_secs(300),
+    ) else {
+        return;
+    };
+    assert!(
+        out.code == Some(0) && out.stdout.contains("PostgreSQL"),
+        "quickstart over TLS: exit {:?}:\n{}",
+        out.code,
+        out.all()
+    );
+    let other = TestCa::new("some other CA");
+    for (url, says) in tls_refusals(&cluster, &ca, &other) {
+        let out = run(
+            "quickstart",
+            &["--database-url", &url],
+            &[],
+            None,
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        assert!(
+            out.code == Some(1) && out.stderr.contains(says),
+            "quickstart {url}: expected exit 1 saying {says:?}, got exit {:?}:\n{}",
+            out.code,
+            out.all()
+        );
+    }
+}
+
+/// `payments_api` on PostgreSQL over TLS (issue 27): its `--bench` (POST /payments through the
+/// Idempotency-Key layer, committed in the database) runs over `sslmode=verify-full` against a
+/// server that refuses plaintext; the refusals exit 1 saying what to change.
+#[test]
+fn payments_api_runs_on_postgres_over_tls() {
+    let ca = TestCa::new("examples test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let url = cluster.url("postgres");
+    let bench = [
+        "--bench",
+        "--requests",
+        "20",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "2",
+        "--database-url",
+    ];
+    let args: Vec<&str> = bench.iter().copied().chain([url.as_str()]).collect();
+    let Some(out) = run("payments_api", &args, &[], None, Duration::from_secs(300)) else {
+        return;
+    };
+    assert!(
+        out.code == Some(0) && out.stdout.contains("with layer, new keys"),
+        "payments_api --bench over TLS: exit {:?}:\n{}",
+        out.code,
+        out.all()
+    );
+    let other = TestCa::new("some other CA");
+    for (url, says) in tls_refusals(&cluster, &ca, &other) {
+        let args: Vec<&str> = bench.iter().copied().chain([url.as_str()]).collect();
+        let out = run("payments_api", &args, &[], None, Duration::from_secs(60)).unwrap();
+        assert!(
+            out.code == Some(1) && out.stderr.contains(says),
+            "payments_api {url}: expected exit 1 saying {says:?}, got exit {:?}:\n{}",
+            out.code,
+            out.all()
+        );
+    }
 }
