@@ -98,6 +98,7 @@ pub mod position;
 pub mod redact;
 pub mod retry;
 mod router;
+pub mod settings;
 pub mod source;
 pub mod store;
 pub mod telemetry;

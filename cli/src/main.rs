@@ -54,8 +54,8 @@ Commands that delete or write (purge, positions adopt|set|rebind) print their pl
 for confirmation on a terminal; without a terminal (CI, cron) they need --yes, and refuse
 without it. --dry-run prints the plan only.
 
-Durations take one unit: s, min, h, d or w (90s, 30min, 12h, 7d, 2w); `m` is refused (minutes
-or months?).";
+Durations take one unit: ms, s, min, h, d or w (90s, 30min, 12h, 7d, 2w); `m` is refused
+(minutes or months?).";
 
 /// Operate a txinbox deployment: inbox status, safe Kafka replay, retention, dead letters.
 #[derive(Debug, Parser)]
@@ -681,49 +681,16 @@ fn parse_timestamp(s: &str) -> Result<txinbox::ops::Timestamp, String> {
     s.parse()
 }
 
-/// A whole number and one unit: `s`, `min`, `h`, `d` or `w`. Never `m` (minutes or months?),
-/// `M`, `mo` or a bare number.
+/// A whole number and one unit (`ms`, `s`, `min`, `h`, `d` or `w`): txinbox's one duration
+/// syntax ([`txinbox::settings::duration`]). Never `m` (minutes or months?), `M`, `mo` or a
+/// bare number.
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    let bad = |why: &str| {
-        format!(
-            "`{s}` is not a duration{why}: use a whole number and one of the units s, min, h, d or w (seconds, minutes, hours, days, weeks), e.g. 90s, 30min, 12h, 7d, 2w"
-        )
-    };
-    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(digits);
-    if n.is_empty() {
-        return Err(bad(""));
-    }
-    let secs: u64 = match unit {
-        "s" => 1,
-        "min" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        "w" => 604_800,
-        "m" | "M" | "mo" | "mon" | "month" | "months" => {
-            return Err(bad(
-                " (`m` could mean minutes or months; write min for minutes, d or w for longer)",
-            ))
-        }
-        "" => return Err(bad(" (no unit)")),
-        _ => return Err(bad("")),
-    };
-    let n: u64 = n.parse().map_err(|_| bad(""))?;
-    n.checked_mul(secs)
-        .map(Duration::from_secs)
-        .ok_or_else(|| bad(" (too long)"))
+    txinbox::settings::duration::parse(s)
 }
 
 /// `d` as the shortest exact text `parse_duration` reads back (`7d`, `36h`, `90s`).
 pub(crate) fn show_duration(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0 => "0s".into(),
-        _ if s.is_multiple_of(86_400) => format!("{}d", s / 86_400),
-        _ if s.is_multiple_of(3600) => format!("{}h", s / 3600),
-        _ if s.is_multiple_of(60) => format!("{}min", s / 60),
-        _ => format!("{s}s"),
-    }
+    txinbox::settings::duration::format(d)
 }
 
 /// [`IdStrategy`]'s own `FromStr`, reminding which strategy to give.

@@ -316,3 +316,74 @@ async fn a_consumer_stops_on_a_refused_certificate_instead_of_waiting() {
     let e = outcome.expect_err("a refused certificate stops the consumer");
     assert!(e.to_string().contains("unknown CA"), "{e}");
 }
+
+/// A service's configuration file (issue 27, item 5): the database over TLS with the CA given
+/// as a field beside the URL, the consumer's settings with durations in units, read from TOML;
+/// the consumer built from them runs its messages over the encrypted connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_from_toml_connect_over_tls_and_run_a_consumer() {
+    use txinbox::settings::{ConsumerSettings, DatabaseSettings};
+
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Service {
+        database: DatabaseSettings,
+        consumer: ConsumerSettings,
+    }
+
+    let ca = TestCa::new("txinbox test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let text = format!(
+        r#"
+        [database]
+        url = "postgres://postgres@127.0.0.1:{port}/postgres"
+        ssl_mode = "verify-full"
+        ssl_root_cert = "{root}"
+        max_connections = 4
+
+        [consumer]
+        concurrency = 2
+        batch_size = 10
+        batch_linger = "2ms"
+        retry = {{ max_attempts = 3, initial_delay = "5ms", max_delay = "20ms" }}
+        "#,
+        port = cluster.port(),
+        root = ca.cert_path().display()
+    );
+    let service: Service = toml::from_str(&text).unwrap();
+    let inbox = service.database.connect().await.expect("connects over TLS");
+    assert!(encrypted(inbox.pool()).await);
+    txinbox::postgres::migrate(inbox.pool()).await.unwrap();
+    txinbox_testing::ledger::create_tables(inbox.pool()).await;
+
+    let broker = MemoryBroker::new("payments");
+    for i in 0..10u64 {
+        broker.publish(format!("evt-{i}"), deposit_in_lane("bob", 3, "-", i));
+    }
+    broker.close();
+    Consumer::builder("tls-settings")
+        .settings(&service.consumer)
+        .source(broker.source())
+        .inbox(inbox.clone())
+        .handler(DepositHandler::default())
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 'bob'")
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(balance, 30);
+
+    // The same file with a wrong CA: refused at connect, saying so.
+    let other = TestCa::new("some other CA");
+    let wrong: Service = toml::from_str(&text.replace(
+        &ca.cert_path().display().to_string(),
+        &other.cert_path().display().to_string(),
+    ))
+    .unwrap();
+    let e = wrong.database.connect().await.expect_err("another CA");
+    assert!(e.to_string().contains("unknown CA") && !e.is_transient(), "{e}");
+}
