@@ -114,10 +114,10 @@ pub mod duration {
         let ms = d.as_millis();
         match ms {
             0 => "0s".into(),
-            _ if ms % 86_400_000 == 0 => format!("{}d", ms / 86_400_000),
-            _ if ms % 3_600_000 == 0 => format!("{}h", ms / 3_600_000),
-            _ if ms % 60_000 == 0 => format!("{}min", ms / 60_000),
-            _ if ms % 1000 == 0 => format!("{}s", ms / 1000),
+            _ if ms.is_multiple_of(86_400_000) => format!("{}d", ms / 86_400_000),
+            _ if ms.is_multiple_of(3_600_000) => format!("{}h", ms / 3_600_000),
+            _ if ms.is_multiple_of(60_000) => format!("{}min", ms / 60_000),
+            _ if ms.is_multiple_of(1000) => format!("{}s", ms / 1000),
             _ => format!("{ms}ms"),
         }
     }
