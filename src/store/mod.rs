@@ -518,7 +518,8 @@ pub fn is_unavailable(e: &sqlx::Error) -> bool {
 /// | `cert` authentication without a client certificate, or with another user's | `sslcert` and `sslkey`; the certificate's common name |
 /// | the server does not speak TLS while `sslmode` requires it | enable `ssl` on the server, or `sslmode=prefer` for a local one |
 /// | plaintext to a TLS-only server (`hostssl`: "no pg_hba.conf entry … no encryption") | `sslmode=verify-full&sslrootcert=…` or `sslmode=require` |
-/// | a certificate or key file that cannot be read | the file named |
+/// | a client certificate without its key, or a key file without a key | `sslcert` and `sslkey` together |
+/// | any other TLS set-up error of sqlx (a certificate file that is not PEM) | `sslrootcert`, `sslcert`, `sslkey` |
 /// | txinbox built without its `tls` feature | the feature |
 pub fn tls_refusal(e: &sqlx::Error) -> Option<String> {
     const FILES: &str = "check sslrootcert, sslcert and sslkey";
@@ -539,6 +540,16 @@ pub fn tls_refusal(e: &sqlx::Error) -> Option<String> {
             } else {
                 format!("TLS could not be set up: {text} ({FILES})")
             })
+        }
+        // sqlx's check of the client certificate's files.
+        sqlx::Error::Configuration(inner)
+            if inner.to_string().contains("user auth key and certs")
+                || inner.to_string().contains("no keys found") =>
+        {
+            Some(format!(
+                "the client certificate is incomplete: {inner} (give sslcert and sslkey together, \
+                 sslkey a PEM private key)"
+            ))
         }
         // rustls's, inside the I/O error of a refused handshake.
         sqlx::Error::Io(io) => {

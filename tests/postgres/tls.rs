@@ -205,8 +205,8 @@ async fn require_to_a_server_without_tls_is_refused_saying_so() {
 }
 
 /// Client-certificate authentication (`hostssl … cert`): a certificate from the server's CA
-/// whose common name is the role logs in; none, one for another role, or one from another CA
-/// is refused, each with what to change.
+/// whose common name is the role logs in; a certificate without its key, none, one for another
+/// role, or one from another CA is refused, each with what to change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_certificate_logs_in_where_the_server_requires_one() {
     let ca = TestCa::new("txinbox test CA");
@@ -252,6 +252,12 @@ async fn a_client_certificate_logs_in_where_the_server_requires_one() {
         .unwrap();
     assert_eq!(user, "tls_app");
 
+    let (half, _) = refused(&as_app(format!("&sslcert={}", mine.cert.display()))).await;
+    assert!(
+        half.to_string().contains("give sslcert and sslkey together"),
+        "{half}"
+    );
+
     let (none, _) = refused(&as_app(String::new())).await;
     assert!(none.to_string().contains("set sslcert and sslkey"), "{none}");
 
@@ -277,7 +283,7 @@ async fn a_client_certificate_logs_in_where_the_server_requires_one() {
             && untrusted.to_string().contains("sslcert"),
         "{untrusted}"
     );
-    for e in [&none, &other_role, &untrusted] {
+    for e in [&half, &none, &other_role, &untrusted] {
         assert!(!e.is_transient(), "{e}");
     }
     assert!(!is_unavailable(&driver), "{driver}");
