@@ -416,16 +416,8 @@ impl DatabaseSettings {
             ("ssl_key", &self.ssl_key),
         ] {
             if let Some(path) = path {
-                if let Err(e) = std::fs::File::open(path) {
-                    let shown = if field == "ssl_key" {
-                        String::new()
-                    } else {
-                        format!(" {}", path.display())
-                    };
-                    return Err(StoreError::fatal(format!(
-                        "database.{field}{shown} cannot be read: {e} (give the path of a PEM file this process may read)"
-                    )));
-                }
+                crate::store::postgres::readable(&format!("database.{field}"), path, field == "ssl_key")
+                    .map_err(StoreError::fatal)?;
             }
         }
         if let Some(mode) = self.ssl_mode {

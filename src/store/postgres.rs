@@ -580,20 +580,27 @@ pub fn check_tls_files(url: &str) -> Result<(), String> {
         if value.trim_start().starts_with("-----BEGIN") {
             continue;
         }
-        if let Err(e) = std::fs::File::open(&*value) {
-            // A key's path may say more than it should (a user's name, a secret's name): only
-            // the parameter, as everywhere a URL is shown.
-            let named = if param == "sslkey" {
-                String::new()
-            } else {
-                format!(" {value}")
-            };
-            return Err(format!(
-                "the PostgreSQL URL's {param}{named} cannot be read: {e} (give the path of a PEM file this process may read)"
-            ));
-        }
+        readable(
+            &format!("the PostgreSQL URL's {param}"),
+            std::path::Path::new(&*value),
+            param == "sslkey",
+        )?;
     }
     Ok(())
+}
+
+/// `Ok` if the certificate or key file at `path` (what `named` names) can be opened, else the
+/// error that says so. A key's path (`key`) is not shown: it may say more than it should (a
+/// user's name, a secret's name), as everywhere a URL is shown.
+pub(crate) fn readable(named: &str, path: &std::path::Path, key: bool) -> Result<(), String> {
+    std::fs::File::open(path).map(drop).map_err(|e| {
+        let shown = if key {
+            String::new()
+        } else {
+            format!(" {}", path.display())
+        };
+        format!("{named}{shown} cannot be read: {e} (give the path of a PEM file this process may read)")
+    })
 }
 
 /// Sorts sqlx errors into unavailable ([`is_unavailable`](super::is_unavailable): pause intake,
