@@ -128,7 +128,7 @@ pub mod duration {
         parse(&text).map_err(serde::de::Error::custom)
     }
 
-    /// `#[serde(with = "txinbox::settings::duration")]`: writes [`format`]'s text.
+    /// `#[serde(with = "txinbox::settings::duration")]`: writes [`format()`]'s text.
     pub fn serialize<S: Serializer>(d: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&format(*d))
     }

@@ -18,7 +18,7 @@
 //! ```
 //!
 //! [`PrivateCluster::start_tls`] starts one that speaks TLS only, with a server certificate
-//! from a [`TestCa`](crate::tls::TestCa): plaintext connections are refused, and client
+//! from a [`TestCa`]: plaintext connections are refused, and client
 //! certificates are checked against the CA.
 
 use std::path::{Path, PathBuf};
