@@ -13,14 +13,17 @@
 //! sent. The example prints a report and exits non-zero if any figure disagrees.
 //!
 //! The inbox is SQLite (a file in a temporary directory); `--postgres` runs the same on
-//! PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`; it drops
-//! and recreates the database `txinbox_quickstart` there).
+//! PostgreSQL at `--database-url` or `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/postgres`; it drops and recreates the database
+//! `txinbox_quickstart` there). TLS is set in the URL as with libpq: a managed database wants
+//! `?sslmode=verify-full&sslrootcert=/path/to/provider-ca.pem`.
 //!
 //! Run with:
 //!
 //! ```text
 //! cargo run --example quickstart
 //! cargo run --example quickstart -- --postgres
+//! cargo run --example quickstart -- --database-url 'postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=ca.pem'
 //! ```
 //!
 //! `RUST_LOG` (default `warn`) controls the runtime's logs, written to stderr; the directives
@@ -31,8 +34,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection as _, Postgres, Sqlite};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{Postgres, Sqlite};
 use tracing_subscriber::EnvFilter;
 use txinbox::memory::{MemoryBroker, MemoryStats};
 use txinbox::telemetry::{ACK_FAILURES, DUPLICATES, PROCESSED};
@@ -42,25 +45,42 @@ const USAGE: &str = "\
 Effectively-once deposits on an at-least-once broker: 1,000 events through a broker that
 delivers twice, loses acknowledgements and crashes; the balances still add up.
 
-Usage: quickstart [--postgres]
+Usage: quickstart [--postgres] [--database-url URL]
 
 Options:
-      --postgres  Run on PostgreSQL at DATABASE_URL (default postgres://postgres@127.0.0.1:5432/postgres;
-                  drops and recreates its database txinbox_quickstart) instead of SQLite in a
-                  temporary directory
-  -h, --help      Print help
+      --postgres            Run on PostgreSQL at DATABASE_URL (default
+                            postgres://postgres@127.0.0.1:5432/postgres; drops and recreates its
+                            database txinbox_quickstart) instead of SQLite in a temporary directory
+      --database-url URL    Run on PostgreSQL at URL (implies --postgres). TLS as with libpq:
+                            ?sslmode=verify-full&sslrootcert=/path/to/ca.pem (or sslmode=require;
+                            sslcert and sslkey for a client certificate). Never printed.
+  -h, --help                Print help
 
 RUST_LOG (default warn) controls the logs, written to stderr.
 ";
 
-/// Whether `--postgres` was given. `--help` prints [`USAGE`] and exits 0; anything else is
-/// refused with exit code 2 (shown through the one redaction: a misspelt flag may carry a
-/// URL with a password). Nothing has run yet either way.
-fn postgres_flag() -> bool {
+/// The PostgreSQL URL to run on, if `--postgres` or `--database-url` was given (`--postgres`
+/// reads `DATABASE_URL`). `--help` prints [`USAGE`] and exits 0; anything else is refused with
+/// exit code 2 (shown through the one redaction: a misspelt flag may carry a URL with a
+/// password). Nothing has run yet either way.
+fn postgres_flag() -> Option<String> {
     let mut postgres = false;
-    for arg in std::env::args().skip(1) {
+    let mut url = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if let Some(value) = arg.strip_prefix("--database-url=") {
+            url = Some(value.to_owned());
+            continue;
+        }
         match arg.as_str() {
             "--postgres" => postgres = true,
+            "--database-url" => match args.next() {
+                Some(value) => url = Some(value),
+                None => {
+                    eprintln!("error: --database-url needs a value\n\n{USAGE}");
+                    std::process::exit(2);
+                }
+            },
             "-h" | "--help" => {
                 print!("{USAGE}");
                 std::process::exit(0);
@@ -74,7 +94,12 @@ fn postgres_flag() -> bool {
             }
         }
     }
-    postgres
+    url.or_else(|| {
+        postgres.then(|| {
+            std::env::var("DATABASE_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+        })
+    })
 }
 
 const CONSUMER: &str = "quickstart";
@@ -149,7 +174,16 @@ struct Figures {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() {
+    if let Err(e) = run().await {
+        // Its Display, which says what to change (a refused TLS connection names the CA or the
+        // host), rather than the Debug a `main` returning the error would print.
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let postgres = postgres_flag();
     // Examples install the subscriber and the metrics recorder; the library never does.
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
@@ -167,8 +201,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map_err(|_| "a metrics recorder is already installed")?;
 
     let (broker, expected, resent) = publish();
-    let (store_name, figures) = if postgres {
-        ("PostgreSQL", on_postgres(&broker).await?)
+    let (store_name, figures) = if let Some(url) = postgres {
+        ("PostgreSQL", on_postgres(&broker, &url).await?)
     } else {
         ("SQLite", on_sqlite(&broker).await?)
     };
@@ -339,23 +373,22 @@ async fn on_sqlite(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error:
     })
 }
 
-async fn on_postgres(broker: &MemoryBroker) -> Result<Figures, Box<dyn std::error::Error>> {
-    let url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let server: PgConnectOptions = url.parse()?;
-    let mut admin = sqlx::PgConnection::connect_with(&server).await?;
+async fn on_postgres(broker: &MemoryBroker, url: &str) -> Result<Figures, Box<dyn std::error::Error>> {
+    // `PostgresInbox::connect` checks the URL's certificate files and says what to change
+    // when the server refuses the connection (an unknown CA, a certificate for another host).
+    let admin = PostgresInbox::connect(url, 1).await?;
     for sql in [
         "DROP DATABASE IF EXISTS txinbox_quickstart WITH (FORCE)",
         "CREATE DATABASE txinbox_quickstart",
     ] {
-        sqlx::raw_sql(sql).execute(&mut admin).await?; // one statement each: not in a transaction
+        sqlx::raw_sql(sql).execute(admin.pool()).await?; // one statement each: not in a transaction
     }
-    admin.close().await?;
-    let options = PostgresInbox::connect_options(server.database("txinbox_quickstart"));
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .connect_with(options)
-        .await?;
+    admin.pool().close().await;
+    let server: PgConnectOptions = url.parse()?;
+    let pool = PostgresInbox::connect_with(server.database("txinbox_quickstart"), 10)
+        .await?
+        .pool()
+        .clone();
     txinbox::postgres::migrate(&pool).await?;
     sqlx::raw_sql("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .execute(&pool)

@@ -98,6 +98,7 @@ pub mod position;
 pub mod redact;
 pub mod retry;
 mod router;
+pub mod settings;
 pub mod source;
 pub mod store;
 pub mod telemetry;
@@ -116,7 +117,7 @@ pub mod outbox;
 /// `txinbox._sqlx_migrations`, apart from the application's own.
 #[cfg(feature = "postgres")]
 pub mod postgres {
-    pub use crate::store::postgres::{migrate, migrator, PostgresInbox, SCHEMA};
+    pub use crate::store::postgres::{check_tls_files, migrate, migrator, PostgresInbox, SCHEMA};
 }
 
 /// The embedded SQLite inbox store and its migrations (feature `sqlite`).

@@ -77,7 +77,7 @@ pub fn url(text: &str) -> String {
 /// the port and `ab@db/x` for the database. `None` for a URL without that mistake (or not a URL).
 ///
 /// An `@` after a `=` is not counted (`?application_name=me@host` is a parameter, not a
-/// userinfo), so a password holding `=` as well is not always caught; [`url`] masks it anyway.
+/// userinfo), so a password holding `=` as well is not always caught; [`url()`] masks it anyway.
 ///
 /// ```
 /// use txinbox::redact::unencoded_in_userinfo;
@@ -118,7 +118,7 @@ struct Pair {
     value: std::ops::Range<usize>,
 }
 
-/// The pairs of `text` (see [`url`] for where a value ends).
+/// The pairs of `text` (see [`url()`] for where a value ends).
 fn pairs(text: &str) -> Vec<Pair> {
     let b = text.as_bytes();
     let is_separator = |c: u8| c.is_ascii_whitespace() || matches!(c, b',' | b';' | b'&' | b'?');

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{ConnectOptions, Executor};
+use sqlx::Executor;
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
 use txinbox::sqlx;
@@ -81,7 +81,13 @@ async fn main() -> anyhow::Result<()> {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let admin: PgConnectOptions = url.parse().context("DATABASE_URL does not parse")?;
     let db = format!("txinbox_outbox_bench_{}", std::process::id());
-    let mut conn = admin.connect().await.context("connect to DATABASE_URL")?;
+    // TLS as DATABASE_URL says (sslmode, sslrootcert, …); a refused connection says what to
+    // change.
+    let conn = txinbox::PostgresInbox::connect(&url, 1)
+        .await
+        .context("connect to DATABASE_URL")?
+        .pool()
+        .clone();
     conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
         .await?;
     let pool = PgPoolOptions::new()

@@ -35,7 +35,9 @@ use kafka::Kafka;
 const AFTER_HELP: &str = "\
 Exit codes:
   0  done
-  1  the operation failed or was refused (the message says why and what to do)
+  1  the operation failed or was refused (the message says why and what to do), or the
+     database refused the connection's TLS (an unknown CA, a certificate for another host,
+     plaintext to a TLS-only server): a configuration error, retrying does not help
   2  bad arguments
   3  a service (PostgreSQL, the SQLite file, Kafka) could not be reached
 
@@ -52,8 +54,8 @@ Commands that delete or write (purge, positions adopt|set|rebind) print their pl
 for confirmation on a terminal; without a terminal (CI, cron) they need --yes, and refuse
 without it. --dry-run prints the plan only.
 
-Durations take one unit: s, min, h, d or w (90s, 30min, 12h, 7d, 2w); `m` is refused (minutes
-or months?).";
+Durations take one unit: ms, s, min, h, d or w (90s, 30min, 12h, 7d, 2w); `m` is refused
+(minutes or months?).";
 
 /// Operate a txinbox deployment: inbox status, safe Kafka replay, retention, dead letters.
 #[derive(Debug, Parser)]
@@ -63,7 +65,9 @@ struct Cli {
     #[arg(long, global = true)]
     json: bool,
     /// The database holding the inbox: postgres://user@host:port/database, or the embedded
-    /// store's file as sqlite:path or sqlite://path.
+    /// store's file as sqlite:path or sqlite://path. TLS as with libpq:
+    /// ?sslmode=verify-full&sslrootcert=/path/to/ca.pem (sslmode=require encrypts without
+    /// checking; sslcert and sslkey for a client certificate).
     #[arg(long, global = true, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// Kafka bootstrap servers (host:port,...), for status, replay, positions and Kafka
@@ -522,6 +526,9 @@ impl Env {
                 "--database-url / DATABASE_URL: the user or password holds an unencoded `{c}`, which ends them early in a URL (the rest would be taken for the host, port or database); percent-encode it: `/` as %2F, `?` as %3F, `#` as %23, `@` as %40"
             )));
         }
+        // A certificate or key file that cannot be read, named before connecting (sqlx would
+        // say only "No such file or directory").
+        txinbox::postgres::check_tls_files(url).map_err(CliError::BadArgs)?;
         let options: PgConnectOptions = url.parse().map_err(|_| {
             CliError::BadArgs(if !url.contains("://") && url.contains('=') {
                 "--database-url / DATABASE_URL looks like a libpq key=value string, which is not supported; write it as a URL: postgres://user:password@host:port/database (percent-encode `/`, `?`, `#`, `@` in the password)".to_owned()
@@ -541,12 +548,7 @@ impl Env {
         let probe = tokio::time::timeout(Duration::from_secs(5), options.connect()).await;
         match probe {
             Ok(Ok(conn)) => drop(conn.close().await),
-            Ok(Err(e)) => {
-                return Err(CliError::Unreachable {
-                    service,
-                    detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
-                })
-            }
+            Ok(Err(e)) => return Err(connect_error(service, e)),
             Err(_) => {
                 return Err(CliError::Unreachable {
                     service,
@@ -561,10 +563,7 @@ impl Env {
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(txinbox::PostgresInbox::connect_options(options))
             .await
-            .map_err(|e| CliError::Unreachable {
-                service,
-                detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
-            })?;
+            .map_err(|e| connect_error(service, e))?;
         if !migrating {
             let ready: bool =
                 txinbox::sqlx::query_scalar("SELECT to_regclass('txinbox.retention') IS NOT NULL")
@@ -668,6 +667,22 @@ async fn sqlite(url: &str, migrating: bool) -> Result<SqlitePool, CliError> {
     Ok(pool)
 }
 
+/// Why connecting to `service` failed: a refused TLS connection (an unknown CA, a certificate
+/// for another host, plaintext to a TLS-only server: [`txinbox::store::tls_refusal`]) is a
+/// configuration error that says what to change, exit 1, as retrying cannot help; anything
+/// else is "cannot reach", exit 3.
+fn connect_error(service: String, e: txinbox::sqlx::Error) -> CliError {
+    match txinbox::store::tls_refusal(&e) {
+        Some(advice) => CliError::failed(format!(
+            "{service} refused the connection: {advice} ({e}; check --database-url / DATABASE_URL)"
+        )),
+        None => CliError::Unreachable {
+            service,
+            detail: format!("{e} (check --database-url / DATABASE_URL and that the server runs)"),
+        },
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     if let Command::Completions { shell } = cli.command {
@@ -762,49 +777,16 @@ fn parse_timestamp(s: &str) -> Result<txinbox::ops::Timestamp, String> {
     s.parse()
 }
 
-/// A whole number and one unit: `s`, `min`, `h`, `d` or `w`. Never `m` (minutes or months?),
-/// `M`, `mo` or a bare number.
+/// A whole number and one unit (`ms`, `s`, `min`, `h`, `d` or `w`): txinbox's one duration
+/// syntax ([`txinbox::settings::duration`]). Never `m` (minutes or months?), `M`, `mo` or a
+/// bare number.
 fn parse_duration(s: &str) -> Result<Duration, String> {
-    let bad = |why: &str| {
-        format!(
-            "`{s}` is not a duration{why}: use a whole number and one of the units s, min, h, d or w (seconds, minutes, hours, days, weeks), e.g. 90s, 30min, 12h, 7d, 2w"
-        )
-    };
-    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(digits);
-    if n.is_empty() {
-        return Err(bad(""));
-    }
-    let secs: u64 = match unit {
-        "s" => 1,
-        "min" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        "w" => 604_800,
-        "m" | "M" | "mo" | "mon" | "month" | "months" => {
-            return Err(bad(
-                " (`m` could mean minutes or months; write min for minutes, d or w for longer)",
-            ))
-        }
-        "" => return Err(bad(" (no unit)")),
-        _ => return Err(bad("")),
-    };
-    let n: u64 = n.parse().map_err(|_| bad(""))?;
-    n.checked_mul(secs)
-        .map(Duration::from_secs)
-        .ok_or_else(|| bad(" (too long)"))
+    txinbox::settings::duration::parse(s)
 }
 
 /// `d` as the shortest exact text `parse_duration` reads back (`7d`, `36h`, `90s`).
 pub(crate) fn show_duration(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0 => "0s".into(),
-        _ if s.is_multiple_of(86_400) => format!("{}d", s / 86_400),
-        _ if s.is_multiple_of(3600) => format!("{}h", s / 3600),
-        _ if s.is_multiple_of(60) => format!("{}min", s / 60),
-        _ => format!("{s}s"),
-    }
+    txinbox::settings::duration::format(d)
 }
 
 /// [`IdStrategy`]'s own `FromStr`, reminding which strategy to give.

@@ -1158,3 +1158,109 @@ async fn replay_positions_are_not_set_when_a_purge_moved_the_horizon_meanwhile()
         .unwrap());
     assert_eq!(db.position(&consumer, "t", 0).await, Some(0));
 }
+
+/// `txinbox migrate` and `status` over TLS (issue 27) against a private PostgreSQL that refuses
+/// plaintext (`hostssl` only), with `sslmode=verify-full` and the server's CA; and each refusal
+/// with the error an operator sees: an unknown CA (set sslrootcert), a certificate for another
+/// host (naming it), plaintext to the TLS-only server (add sslmode), a certificate file that is
+/// not there (naming it). A refusal is a configuration error: exit 1 ("retrying does not help"),
+/// not 3 ("cannot reach").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_runs_over_tls_and_a_refused_connection_says_what_to_change() {
+    use txinbox_testing::cluster::PrivateCluster;
+    use txinbox_testing::tls::TestCa;
+
+    let ca = TestCa::new("cli test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let url = cluster.url("postgres");
+    txinbox(&url, None, &["--json", "migrate"]).await.ok();
+    let status = txinbox(&url, None, &["--json", "status"]).await.ok();
+    assert!(status.is_object(), "{status:#}");
+
+    let other = TestCa::new("some other CA");
+    let port = cluster.port();
+    let root = ca.cert_path().display().to_string();
+    let missing = ca.dir().join("missing.pem").display().to_string();
+    for (url, says, code) in [
+        (
+            format!(
+                "postgres://postgres@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={}",
+                other.cert_path().display()
+            ),
+            "unknown CA",
+            1,
+        ),
+        (
+            format!("postgres://postgres@localhost:{port}/postgres?sslmode=verify-full&sslrootcert={root}"),
+            "not valid for host localhost",
+            1,
+        ),
+        (
+            format!("postgres://postgres@127.0.0.1:{port}/postgres?sslmode=disable"),
+            "accepts TLS connections only",
+            1,
+        ),
+        (
+            format!(
+                "postgres://postgres@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={missing}"
+            ),
+            "sslrootcert",
+            2,
+        ),
+    ] {
+        let run = txinbox(&url, None, &["--json", "status"]).await;
+        assert_eq!(run.code, code, "{url}: {run:?}");
+        assert!(run.stderr.contains(says), "{url}: {run:?}");
+        assert_eq!(run.json()["exit_code"], code, "{url}");
+    }
+}
+
+/// sqlx (rustls with ring, chosen by sqlx itself) and lapin (rustls with ring, installed as the
+/// process's default provider by its connector) in one process: neither panics for want of a
+/// provider ("no process-level CryptoProvider available") or for two of them, in either
+/// order: a TLS session to PostgreSQL, lapin setting up `amqps://` (to a listener that hangs up:
+/// its TLS configuration is built before the handshake fails), and PostgreSQL again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlx_and_lapin_share_the_process_without_a_crypto_provider_panic() {
+    use txinbox::sqlx::{ConnectOptions as _, Connection as _};
+    use txinbox_testing::cluster::PrivateCluster;
+    use txinbox_testing::tls::TestCa;
+
+    let ca = TestCa::new("provider test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let encrypted = || async {
+        let mut conn = cluster.options().connect().await.expect("PostgreSQL over TLS");
+        let ssl: bool =
+            txinbox::sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+        conn.close().await.unwrap();
+        ssl
+    };
+    assert!(encrypted().await);
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let hang_up = tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            drop(socket);
+        }
+    });
+    let amqps = tokio::spawn(async move {
+        lapin::Connection::connect(
+            &format!("amqps://guest:guest@127.0.0.1:{port}/%2f"),
+            lapin::ConnectionProperties::default(),
+        )
+        .await
+        .map(|_| ())
+    });
+    let outcome = tokio::time::timeout(std::time::Duration::from_secs(30), amqps)
+        .await
+        .expect("lapin gives up on a listener that hangs up");
+    let refused = outcome.expect("lapin's amqps:// set-up does not panic");
+    assert!(refused.is_err(), "nothing speaks AMQP there");
+    hang_up.abort();
+
+    assert!(encrypted().await, "sqlx's TLS still works after lapin's");
+}

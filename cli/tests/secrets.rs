@@ -443,3 +443,51 @@ async fn an_unencoded_password_is_refused_with_what_to_do() {
     assert_eq!(run.code, 2, "{run:?}");
     assert!(run.stderr.contains("write it as a URL"), "{run:?}");
 }
+
+/// Over TLS (issue 27), against a private server that refuses plaintext: a URL whose password
+/// and `sslpassword` hold the secret, accepted (migrate, status) and refused (a wrong CA, a
+/// wrong host name, plaintext, a missing client key), as text and `--json`: the errors say
+/// what to change, never the secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_tls_connection_or_refusal_shows_a_secret() {
+    use txinbox_testing::cluster::PrivateCluster;
+    use txinbox_testing::tls::TestCa;
+
+    let secret = "Kx9-Secret-Tail";
+    let ca = TestCa::new("secrets test CA");
+    let other = TestCa::new("some other CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let port = cluster.port();
+    let root = ca.cert_path().display();
+    let server = format!("postgres://postgres:{secret}@127.0.0.1:{port}/postgres");
+    let urls = [
+        format!("{server}?sslmode=verify-full&sslrootcert={root}&sslpassword={secret}"),
+        format!(
+            "{server}?sslmode=verify-full&sslrootcert={}&sslpassword={secret}",
+            other.cert_path().display()
+        ),
+        format!(
+            "postgres://postgres:{secret}@localhost:{port}/postgres?sslmode=verify-full&sslrootcert={root}&sslpassword={secret}"
+        ),
+        format!("{server}?sslmode=disable&sslpassword={secret}"),
+        format!("{server}?sslmode=verify-full&sslrootcert={root}&sslkey=/keys/{secret}.key"),
+    ];
+    let mut runs = Vec::new();
+    for url in &urls {
+        for command in [&["migrate"][..], &["status"][..]] {
+            for json in [false, true] {
+                let mut a = if json { args(&["--json"]) } else { Vec::new() };
+                a.extend(args(command));
+                runs.push(attempt(vec![("DATABASE_URL", url.clone())], a, secret));
+            }
+        }
+    }
+    let total = runs.len();
+    let found = leaks(runs).await;
+    assert!(
+        found.is_empty(),
+        "{} of {total} runs show a secret:\n{}",
+        found.len(),
+        found.join("\n")
+    );
+}

@@ -14,8 +14,9 @@ use txinbox_amqp::{AmqpConfig, AmqpTls, QueueType};
 /// `--database-url` / `DATABASE_URL`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Postgres {
-    /// PostgreSQL: where the balances, the ledger entries and the inbox live. Its value is never
-    /// printed.
+    /// PostgreSQL: where the balances, the ledger entries and the inbox live. TLS as with libpq:
+    /// `?sslmode=verify-full&sslrootcert=/path/to/ca.pem` (`sslcert`, `sslkey` for a client
+    /// certificate). Its value is never printed.
     #[arg(
         long,
         env = "DATABASE_URL",

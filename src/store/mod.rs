@@ -455,20 +455,29 @@ pub fn is_lock_conflict(e: &sqlx::Error) -> bool {
 ///
 /// | | unavailable |
 /// |---|---|
-/// | any store | I/O and TLS errors, a pool timeout (no connection within the acquire timeout) or a closed pool, a crashed worker |
+/// | any store | I/O errors, a pool timeout (no connection within the acquire timeout) or a closed pool, a crashed worker |
 /// | PostgreSQL | class `08` (connection exception); `57P01` admin shutdown (`pg_terminate_backend`, a fast shutdown), `57P02` crash of another backend, `57P03` starting up or shutting down, and the rest of `57P` (database dropped, idle session timeout: the session is gone); `53300` too many connections (`max_connections`, or the role's or the database's `CONNECTION LIMIT`); `53100` disk full; `55000` **only** when fatal, which is a refused connection (`ALLOW_CONNECTIONS false`: "database … is not currently accepting connections"), as a statement's `55000` (object not in prerequisite state) is the statement's own; a protocol error (the connection is out of step) |
 /// | SQLite | `SQLITE_IOERR`, `SQLITE_FULL` (disk full), `SQLITE_CANTOPEN` (the file cannot be opened) |
 ///
 /// Not unavailable: a lost lock conflict ([`is_lock_conflict`]: `SQLITE_BUSY` and
-/// `SQLITE_LOCKED` included), a statement timeout, and everything the database answered about
-/// the statement itself (a constraint, a missing table, a permission).
+/// `SQLITE_LOCKED` included), a statement timeout, everything the database answered about
+/// the statement itself (a constraint, a missing table, a permission), and a refused TLS
+/// connection ([`tls_refusal`]: a certificate signed by a CA the client does not trust or
+/// issued for another host, a server without TLS, plaintext to a TLS-only server): that is a
+/// configuration error, which does not go away by waiting, like a wrong password. At start,
+/// connecting fails with it; a running consumer that meets it (the server's certificate was
+/// replaced by one the client does not trust) stops and reports it rather than pausing
+/// intake forever. A TLS connection the network breaks (reset, closed mid-handshake) is an
+/// I/O error: unavailable.
 ///
 /// Failing closed has a price: a handler whose own statement ends its session (it terminates
 /// its own backend, or crashes the server) is retried without limit, as an outage would be.
 pub fn is_unavailable(e: &sqlx::Error) -> bool {
+    if tls_refusal(e).is_some() {
+        return false;
+    }
     match e {
         sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
@@ -495,7 +504,208 @@ pub fn is_unavailable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// What to change when a connection's TLS was refused, on either side, or `None` when `e` is
+/// not such a refusal. The one place that reads sqlx's and rustls's TLS errors: the stores
+/// report it ([`StoreError`] fatal, with this advice), [`is_unavailable`] leaves it out, and the
+/// CLI and the examples print it.
+///
+/// | refusal | advice |
+/// |---|---|
+/// | the server's certificate is signed by a CA this client does not trust (rustls `UnknownIssuer`) | set `sslrootcert` to the provider's CA bundle |
+/// | the certificate is not valid for the host connected to | connect with a name the certificate names, or `sslmode=verify-ca` |
+/// | expired or not yet valid, bad signature, wrong purpose, other certificate errors | what rustls says, and to check the server's certificate and `sslrootcert` |
+/// | the server sent a handshake alert (an untrusted client certificate, no common TLS version) | `sslcert` and `sslkey` |
+/// | `cert` authentication without a client certificate, or with another user's | `sslcert` and `sslkey`; the certificate's common name |
+/// | the server does not speak TLS while `sslmode` requires it | enable `ssl` on the server, or `sslmode=prefer` for a local one |
+/// | plaintext to a TLS-only server (`hostssl`: "no pg_hba.conf entry … no encryption") | `sslmode=verify-full&sslrootcert=…` or `sslmode=require` |
+/// | a client certificate without its key, or a key file without a key | `sslcert` and `sslkey` together |
+/// | any other TLS set-up error of sqlx (a certificate file that is not PEM) | `sslrootcert`, `sslcert`, `sslkey` |
+/// | txinbox built without its `tls` feature | the feature |
+pub fn tls_refusal(e: &sqlx::Error) -> Option<String> {
+    const FILES: &str = "check sslrootcert, sslcert and sslkey";
+    match e {
+        // sqlx's own: the server answered `N` to the SSLRequest, a file it could not use,
+        // a build without TLS.
+        sqlx::Error::Tls(inner) => {
+            let text = inner.to_string();
+            Some(if text.contains("server does not support TLS") {
+                "the server does not accept TLS connections, but the URL's sslmode requires TLS: \
+                 enable ssl on the server (a managed database always has it), or use \
+                 sslmode=prefer or disable for a local development server"
+                    .to_owned()
+            } else if text.contains("without TLS support") {
+                "TLS is required by the URL's sslmode, but txinbox was built without its `tls` \
+                 feature: enable it (it is on by default)"
+                    .to_owned()
+            } else {
+                format!("TLS could not be set up: {text} ({FILES})")
+            })
+        }
+        // sqlx's check of the client certificate's files.
+        sqlx::Error::Configuration(inner)
+            if inner.to_string().contains("user auth key and certs")
+                || inner.to_string().contains("no keys found") =>
+        {
+            Some(format!(
+                "the client certificate is incomplete: {inner} (give sslcert and sslkey together, \
+                 sslkey a PEM private key)"
+            ))
+        }
+        // rustls's, inside the I/O error of a refused handshake.
+        sqlx::Error::Io(io) => {
+            #[cfg(feature = "tls")]
+            if let Some(tls) = io.get_ref().and_then(|e| e.downcast_ref::<rustls::Error>()) {
+                return rustls_refusal(tls);
+            }
+            let _ = io;
+            None
+        }
+        // PostgreSQL's own: no `host` line of pg_hba.conf for a plaintext connection, only
+        // `hostssl` ones.
+        sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("28000") && db.message().contains("no encryption") =>
+        {
+            Some(
+                "the server accepts TLS connections only, and this one was plaintext: add \
+                 sslmode=verify-full&sslrootcert=<the server's CA certificate> to the URL (or \
+                 sslmode=require, which encrypts without checking the certificate)"
+                    .to_owned(),
+            )
+        }
+        // `cert` authentication (`hostssl … cert`): no client certificate, or one whose
+        // common name is another role.
+        sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("28000") && db.message().contains("client certificate") =>
+        {
+            Some(
+                "the server requires a client certificate for this user: set sslcert and sslkey \
+                 in the URL to a certificate (and its key) issued by a CA the server trusts"
+                    .to_owned(),
+            )
+        }
+        sqlx::Error::Database(db)
+            if db.code().as_deref() == Some("28000")
+                && db.message().starts_with("certificate authentication failed") =>
+        {
+            Some(
+                "the client certificate is not this user's: its common name (CN) must be the \
+                 user name of the URL (or be mapped to it in the server's pg_ident.conf)"
+                    .to_owned(),
+            )
+        }
+        _ => None,
+    }
+}
+
+/// [`tls_refusal`] for rustls's error: `None` for what is not about certificates or the
+/// handshake's agreement (those stay I/O errors, retried as outages).
+#[cfg(feature = "tls")]
+fn rustls_refusal(e: &rustls::Error) -> Option<String> {
+    use rustls::{AlertDescription as A, CertificateError as C};
+    const CHECK: &str = "check the server's certificate and the URL's sslrootcert";
+    Some(match e {
+        rustls::Error::InvalidCertificate(C::UnknownIssuer) => {
+            "the server's certificate is signed by a certificate authority this client does not \
+             trust (unknown CA): set sslrootcert in the URL to your provider's CA bundle \
+             (sslmode=verify-full&sslrootcert=/path/to/ca.pem), or install that CA in the \
+             system's trust store"
+                .to_owned()
+        }
+        rustls::Error::InvalidCertificate(C::NotValidForNameContext { expected, presented }) => {
+            format!(
+                "the server's certificate is not valid for host {} (it names {}): connect with a \
+                 host name the certificate names, or use sslmode=verify-ca, which checks the CA \
+                 but not the name",
+                expected.to_str(),
+                if presented.is_empty() {
+                    "no host".to_owned()
+                } else {
+                    presented
+                        .iter()
+                        .map(|name| bare_name(name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            )
+        }
+        rustls::Error::InvalidCertificate(C::NotValidForName) => {
+            "the server's certificate is not valid for the host connected to: connect with a host \
+             name the certificate names, or use sslmode=verify-ca, which checks the CA but not \
+             the name"
+                .to_owned()
+        }
+        rustls::Error::InvalidCertificate(other) => {
+            format!("the server's certificate was refused: {other:?} ({CHECK})")
+        }
+        rustls::Error::NoCertificatesPresented => {
+            format!("the server presented no certificate ({CHECK})")
+        }
+        rustls::Error::AlertReceived(
+            alert @ (A::BadCertificate
+            | A::UnsupportedCertificate
+            | A::CertificateRevoked
+            | A::CertificateExpired
+            | A::CertificateUnknown
+            | A::UnknownCA
+            | A::AccessDenied
+            | A::CertificateRequired
+            | A::HandshakeFailure
+            | A::ProtocolVersion
+            | A::InsufficientSecurity),
+        ) => format!(
+            "the server refused the TLS handshake ({alert:?}): it may require a client \
+             certificate it trusts (sslcert and sslkey in the URL) or a TLS version or cipher \
+             this client does not offer"
+        ),
+        rustls::Error::PeerIncompatible(why) => format!(
+            "the server's TLS is incompatible with this client ({why:?}): it needs TLS 1.2 or \
+             1.3 with a modern cipher suite"
+        ),
+        _ => return None,
+    })
+}
+
+/// A name as rustls presents it (`DnsName("db.example.com")`, `IpAddress(10.0.0.1)`), bare.
+#[cfg(feature = "tls")]
+fn bare_name(presented: &str) -> &str {
+    for (open, close) in [("DnsName(\"", "\")"), ("IpAddress(", ")")] {
+        if let Some(inner) = presented.strip_prefix(open).and_then(|p| p.strip_suffix(close)) {
+            return inner;
+        }
+    }
+    presented
+}
+
+/// A refused TLS connection ([`tls_refusal`]): the advice, then the driver's error.
+#[derive(Debug)]
+struct Refusal {
+    advice: String,
+    source: sqlx::Error,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.advice, self.source)
+    }
+}
+
+impl std::error::Error for Refusal {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
 impl StoreError {
+    /// `e` as a fatal error that says what to change, when it is a refused TLS connection
+    /// ([`tls_refusal`]); otherwise `e` back.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn from_tls_refusal(e: sqlx::Error) -> Result<StoreError, sqlx::Error> {
+        match tls_refusal(&e) {
+            Some(advice) => Ok(StoreError::fatal(Refusal { advice, source: e })),
+            None => Err(e),
+        }
+    }
+
     /// The database cannot be reached or cannot serve: connection lost, server restarting, pool
     /// exhausted. The runtime pauses intake and retries with backoff.
     pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {

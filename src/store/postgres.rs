@@ -74,10 +74,29 @@ impl PostgresInbox {
 
     /// Connects with [`connect_options`](Self::connect_options) applied to `url` and a pool of
     /// `max_connections`. The URL never appears in errors or logs.
+    ///
+    /// TLS is set in the URL as libpq's: `sslmode` (`disable`, `prefer` (the default: TLS when
+    /// the server offers it, unverified), `require` (TLS, unverified), `verify-ca`,
+    /// `verify-full`), `sslrootcert` (the CA certificate file; the system's root certificates
+    /// are trusted as well), `sslcert` and `sslkey` (a client certificate). With txinbox's
+    /// `tls` feature (on by default). A managed database wants
+    /// `?sslmode=verify-full&sslrootcert=/path/to/provider-ca.pem`.
+    ///
+    /// A refused TLS connection (unknown CA, a certificate for another host, plaintext to a
+    /// TLS-only server) is a fatal error that says what to change
+    /// ([`tls_refusal`](crate::store::tls_refusal)); an unreachable server is unavailable.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options: PgConnectOptions = url.parse().map_err(|_| {
-            StoreError::fatal("the PostgreSQL connection string does not parse; expected postgres://user@host:port/database")
+            StoreError::fatal("the PostgreSQL connection string does not parse; expected postgres://user@host:port/database (with TLS: ?sslmode=verify-full&sslrootcert=/path/to/ca.pem)")
         })?;
+        check_tls_files(url).map_err(StoreError::fatal)?;
+        Self::connect_with(options, max_connections).await
+    }
+
+    /// [`connect`](Self::connect) with options built in code (`PgConnectOptions::ssl_mode`,
+    /// `ssl_root_cert`, `ssl_client_cert`, `ssl_client_key`, …) instead of a URL. Connects one
+    /// connection before it returns, so a wrong address, password or certificate shows here.
+    pub async fn connect_with(options: PgConnectOptions, max_connections: u32) -> Result<Self, StoreError> {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
@@ -542,11 +561,58 @@ impl InboxStore for PostgresInbox {
     }
 }
 
+/// Checks that the certificate and key files a PostgreSQL URL names (`sslrootcert`, `sslcert`,
+/// `sslkey` and sqlx's spellings of them) can be read, so a wrong path is reported with its
+/// parameter before connecting: sqlx reports it as a bare "No such file or directory", an I/O
+/// error that reads like an outage. The error names the parameter and, except for `sslkey`,
+/// the path. Inline PEM values and a URL that does not parse pass (connecting reports those).
+pub fn check_tls_files(url: &str) -> Result<(), String> {
+    let Ok(parsed) = url::Url::parse(url) else {
+        return Ok(());
+    };
+    for (key, value) in parsed.query_pairs() {
+        let param = match &*key {
+            "sslrootcert" | "ssl-root-cert" | "ssl-ca" => "sslrootcert",
+            "sslcert" | "ssl-cert" => "sslcert",
+            "sslkey" | "ssl-key" => "sslkey",
+            _ => continue,
+        };
+        if value.trim_start().starts_with("-----BEGIN") {
+            continue;
+        }
+        readable(
+            &format!("the PostgreSQL URL's {param}"),
+            std::path::Path::new(&*value),
+            param == "sslkey",
+        )?;
+    }
+    Ok(())
+}
+
+/// `Ok` if the certificate or key file at `path` (what `named` names) can be opened, else the
+/// error that says so. A key's path (`key`) is not shown: it may say more than it should (a
+/// user's name, a secret's name), as everywhere a URL is shown.
+pub(crate) fn readable(named: &str, path: &std::path::Path, key: bool) -> Result<(), String> {
+    std::fs::File::open(path).map(drop).map_err(|e| {
+        let shown = if key {
+            String::new()
+        } else {
+            format!(" {}", path.display())
+        };
+        format!("{named}{shown} cannot be read: {e} (give the path of a PEM file this process may read)")
+    })
+}
+
 /// Sorts sqlx errors into unavailable ([`is_unavailable`](super::is_unavailable): pause intake,
 /// retry), contention ([`is_lock_conflict`](super::is_lock_conflict): re-run, no attempt
 /// counted), busy (a statement timeout, a session ended for idling in a transaction: retry, not
-/// an outage) and fatal (stop and report).
+/// an outage) and fatal (stop and report; a refused TLS connection with what to change,
+/// [`tls_refusal`](super::tls_refusal)).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    let e = match StoreError::from_tls_refusal(e) {
+        Ok(refused) => return refused,
+        Err(e) => e,
+    };
     if super::is_lock_conflict(&e) {
         return StoreError::contention(e);
     }

@@ -16,11 +16,17 @@
 //! # drop(pool);
 //! # }
 //! ```
+//!
+//! [`PrivateCluster::start_tls`] starts one that speaks TLS only, with a server certificate
+//! from a [`TestCa`]: plaintext connections are refused, and client
+//! certificates are checked against the CA.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use txinbox::sqlx::postgres::PgConnectOptions;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgSslMode};
+
+use crate::tls::TestCa;
 
 /// A private PostgreSQL cluster in a temporary directory, stopped and removed on drop. Uses the
 /// server binaries of the machine's PostgreSQL (`TXINBOX_PG_BIN`, else the newest
@@ -31,6 +37,8 @@ pub struct PrivateCluster {
     dir: PathBuf,
     bin: PathBuf,
     port: u16,
+    /// The CA certificate clients trust, when the server speaks TLS only.
+    ca: Option<PathBuf>,
 }
 
 impl PrivateCluster {
@@ -41,6 +49,63 @@ impl PrivateCluster {
     /// When there are no server binaries (install PostgreSQL's server package, or set
     /// `TXINBOX_PG_BIN`) or `initdb` or the server fails: a test cannot run without it.
     pub fn start() -> PrivateCluster {
+        let cluster = Self::init();
+        cluster.up();
+        cluster
+    }
+
+    /// [`start`](Self::start), with a server that accepts TLS connections only (`ssl = on`,
+    /// `hostssl`-only `pg_hba.conf`: a plaintext connection is refused with "no pg_hba.conf
+    /// entry … no encryption"), with a certificate from `ca` valid for `127.0.0.1` only (so
+    /// `sslmode=verify-full` to `localhost` fails on the host name). Client certificates are
+    /// checked against `ca`; members of the role [`CERT_AUTH_ROLE`](Self::CERT_AUTH_ROLE) must
+    /// log in with one (`cert` authentication: the certificate's common name is the role),
+    /// everyone else is trusted.
+    ///
+    /// [`options`](Self::options) and [`url`](Self::url) then use `sslmode=verify-full` with
+    /// `ca`'s certificate (a copy in the cluster's directory, so `ca` may be dropped).
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](Self::start).
+    pub fn start_tls(ca: &TestCa) -> PrivateCluster {
+        let mut cluster = Self::init();
+        let server = ca.server(&["127.0.0.1"]);
+        let dir = cluster.dir.clone();
+        let copy = |from: &Path, to: &str| {
+            std::fs::copy(from, dir.join(to)).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+        };
+        copy(&server.cert, "server.crt");
+        copy(&server.key, "server.key");
+        copy(ca.cert_path(), "root.crt");
+        append(
+            &dir.join("postgresql.conf"),
+            "\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\nssl_ca_file = 'root.crt'\n",
+        );
+        let hba = format!(
+            "local all all trust\n\
+             hostssl all +{role} 127.0.0.1/32 cert\n\
+             hostssl all all 127.0.0.1/32 trust\n",
+            role = Self::CERT_AUTH_ROLE
+        );
+        std::fs::write(dir.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
+        cluster.chown();
+        cluster.ca = Some(dir.join("root.crt"));
+        cluster.up();
+        cluster
+    }
+
+    /// On a [`start_tls`](Self::start_tls) cluster, the members of this role must log in with
+    /// a client certificate whose common name is their role (`hostssl … cert`). Create it
+    /// (`CREATE ROLE txinbox_cert_auth NOLOGIN`) and a member to try it.
+    pub const CERT_AUTH_ROLE: &'static str = "txinbox_cert_auth";
+
+    /// The CA certificate a client of a [`start_tls`](Self::start_tls) cluster trusts.
+    pub fn ca_path(&self) -> Option<&Path> {
+        self.ca.as_deref()
+    }
+
+    fn init() -> PrivateCluster {
         let bin = std::env::var("TXINBOX_PG_BIN")
             .map(PathBuf::from)
             .unwrap_or_else(|_| newest_server_bin());
@@ -51,13 +116,17 @@ impl PrivateCluster {
         let dir = std::env::temp_dir().join(format!("txinbox-pg-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("create the private cluster's directory");
-        let cluster = PrivateCluster { dir, bin, port };
+        let cluster = PrivateCluster {
+            dir,
+            bin,
+            port,
+            ca: None,
+        };
         cluster.chown();
         cluster.run(
             "initdb",
             &["-D", cluster.data(), "-A", "trust", "-U", "postgres", "--no-sync"],
         );
-        cluster.up();
         cluster
     }
 
@@ -66,18 +135,28 @@ impl PrivateCluster {
         self.port
     }
 
-    /// Connection options for the `postgres` database as the `postgres` superuser.
+    /// Connection options for the `postgres` database as the `postgres` superuser; on a TLS
+    /// cluster with `sslmode=verify-full` and the cluster's CA.
     pub fn options(&self) -> PgConnectOptions {
-        PgConnectOptions::new()
+        let options = PgConnectOptions::new()
             .host("127.0.0.1")
             .port(self.port)
             .username("postgres")
-            .database("postgres")
+            .database("postgres");
+        match &self.ca {
+            Some(ca) => options.ssl_mode(PgSslMode::VerifyFull).ssl_root_cert(ca),
+            None => options,
+        }
     }
 
-    /// A URL of database `database` on the server, e.g. for a program under test.
+    /// A URL of database `database` on the server, e.g. for a program under test; on a TLS
+    /// cluster with `?sslmode=verify-full&sslrootcert=` the cluster's CA.
     pub fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+        let url = format!("postgres://postgres@127.0.0.1:{}/{database}", self.port);
+        match &self.ca {
+            Some(ca) => format!("{url}?sslmode=verify-full&sslrootcert={}", ca.display()),
+            None => url,
+        }
     }
 
     /// Starts (or restarts) the server and waits until it accepts connections.
@@ -163,6 +242,15 @@ impl Drop for PrivateCluster {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.down()));
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+fn append(path: &Path, text: &str) {
+    use std::io::Write as _;
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .unwrap_or_else(|e| panic!("append to {}: {e}", path.display()));
 }
 
 fn is_root() -> bool {

@@ -2,7 +2,10 @@
 //! `MessageSource`/`Delivery` and every outbox publisher runs.**
 //!
 //! - [`database`]: a fresh PostgreSQL database per test, migrated, dropped by the next run.
-//! - [`cluster`]: a private PostgreSQL server a test may stop and start (outages).
+//! - [`cluster`]: a private PostgreSQL server a test may stop and start (outages), or that
+//!   speaks TLS only.
+//! - [`tls`]: a test certificate authority and the server and client certificates it issues,
+//!   as PEM files, for TLS listeners a test starts.
 //! - [`ledger`]: a deposit handler that is not idempotent, so a message applied twice shows.
 //! - [`output`]: run a binary, capture what it prints, and search it for a secret in every
 //!   form (plain, percent-encoded, base64, pieces).
@@ -21,3 +24,4 @@ pub mod conformance;
 pub mod database;
 pub mod ledger;
 pub mod output;
+pub mod tls;

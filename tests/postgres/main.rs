@@ -21,5 +21,6 @@ mod shutdown;
 mod spans;
 mod store_health;
 mod support;
+mod tls;
 mod unavailable;
 mod upgrade;

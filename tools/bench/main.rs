@@ -29,6 +29,8 @@
 //!
 //! Needs PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`, a
 //! role that may create databases: the bench works in a scratch database it drops at the end).
+//! Its sessions use TLS as the URL says; without `sslmode` (`prefer`) they are encrypted when the
+//! server offers TLS, as pgbench's (libpq's) are: add `?sslmode=disable` to measure plaintext.
 //! Kafka rows use `KAFKA_BROKERS` (default `127.0.0.1:9092`, e.g. tansu: `source
 //! scripts/lib/tansu.sh && ensure_tansu`), RabbitMQ rows `AMQP_URL` (default
 //! `amqp://guest:guest@127.0.0.1:5672/%2f`). A source whose broker is unreachable is skipped
@@ -61,7 +63,7 @@ mod timed;
 
 use anyhow::Context as _;
 use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use txinbox::sqlx::{self, ConnectOptions, Executor};
+use txinbox::sqlx::{self, Executor};
 use txinbox::PostgresInbox;
 
 use crate::args::parse_args;
@@ -79,10 +81,13 @@ async fn main() -> anyhow::Result<()> {
         .context("DATABASE_URL does not parse; expected postgres://user@host:port/database")?;
     let run_id = format!("{}-{}", std::process::id(), now_micros() % 1_000_000);
     let db_name = format!("txinbox_bench_{}", run_id.replace('-', "_"));
-    let mut conn = admin
-        .connect()
+    // TLS as DATABASE_URL says (sslmode, sslrootcert, …); a refused connection says what to
+    // change.
+    let conn = PostgresInbox::connect(&database_url, 1)
         .await
-        .context("connecting to PostgreSQL at DATABASE_URL (is it running?)")?;
+        .context("connecting to PostgreSQL at DATABASE_URL (is it running?)")?
+        .pool()
+        .clone();
     conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
         .await?;
     let drop_database = format!("DROP DATABASE IF EXISTS {db_name} WITH (FORCE)");

@@ -24,7 +24,6 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, ConnectionProperties};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, Postgres};
 use txinbox::{async_trait, Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 use txinbox_amqp::{AmqpConfig, AmqpSource, AmqpTls};
@@ -48,7 +47,8 @@ struct Args {
     /// the system's roots).
     #[arg(long, env = "AMQP_CA_FILE", hide_env_values = true)]
     amqp_ca_file: Option<std::path::PathBuf>,
-    /// The PostgreSQL database of the inbox and the balances. Its value is never printed.
+    /// The PostgreSQL database of the inbox and the balances. TLS as with libpq:
+    /// `?sslmode=verify-full&sslrootcert=/path/to/ca.pem`. Its value is never printed.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -110,10 +110,9 @@ async fn main() -> anyhow::Result<()> {
     }
     tracing_subscriber::fmt().with_env_filter(filter).init();
 
-    let pool = PgPoolOptions::new()
-        .max_connections(10)
-        .connect_with(PostgresInbox::connect_options(database_url.parse()?))
-        .await?;
+    // TLS as the URL says (sslmode, sslrootcert, sslcert, sslkey); a refused connection says
+    // what to change.
+    let pool = PostgresInbox::connect(&database_url, 10).await?.pool().clone();
     txinbox::postgres::migrate(&pool).await?;
     pool.execute(
         "CREATE TABLE IF NOT EXISTS example_accounts (id text PRIMARY KEY, balance bigint NOT NULL)",

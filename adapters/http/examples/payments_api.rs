@@ -44,7 +44,6 @@
 //! credential.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -57,7 +56,6 @@ use serde::Deserialize;
 use serde_json::json;
 use tracing_subscriber::EnvFilter;
 use txinbox::outbox::{OutboxMessage, OutboxPool, Relay, RelayConfig, RelayError};
-use txinbox::sqlx::postgres::PgPoolOptions;
 use txinbox::sqlx::{self, Executor as _, PgPool, Sqlite, SqlitePool};
 use txinbox_http::{IdempotencyContext, IdempotencyLayer, IdempotentTx};
 
@@ -67,8 +65,9 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used. Its
-    /// value is never printed.
+    /// PostgreSQL URL; without one the embedded SQLite store at `--sqlite-path` is used. TLS
+    /// as with libpq: `?sslmode=verify-full&sslrootcert=/path/to/ca.pem`. Its value is never
+    /// printed.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: Option<String>,
     /// The embedded store's file (when no database URL is given).
@@ -695,7 +694,16 @@ async fn shutdown_signal() {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() {
+    if let Err(e) = run().await {
+        // Its Display, which says what to change (a refused TLS connection names the CA or the
+        // host), rather than the Debug a `main` returning the error would print.
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     // clap echoes a misspelt flag with its value (`--databse-url=postgres://app:pw@db`):
     // its errors go through the one redaction.
     let args = Args::try_parse().unwrap_or_else(|e| {
@@ -724,15 +732,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         return serve_embedded(&args).await;
     };
-    let options = txinbox::PostgresInbox::connect_options(
-        url.parse()
-            .map_err(|_| "the PostgreSQL URL does not parse; expected postgres://user@host:port/database")?,
-    );
-    let pool = PgPoolOptions::new()
-        .max_connections(args.max_connections)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
-        .await?;
+    // TLS as the URL says (sslmode, sslrootcert, sslcert, sslkey); a refused connection (an
+    // unknown CA, a certificate for another host, plaintext to a TLS-only server) is reported
+    // with what to change.
+    let pool = txinbox::PostgresInbox::connect(&url, args.max_connections)
+        .await?
+        .pool()
+        .clone();
     setup(&pool).await?;
     if args.bench {
         bench(pool, args.requests, args.concurrency, args.rounds.max(1)).await;

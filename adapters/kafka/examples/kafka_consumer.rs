@@ -37,8 +37,8 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use tracing_subscriber::EnvFilter;
-use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use txinbox::sqlx::{self, ConnectOptions as _, Executor as _, Postgres};
+use txinbox::sqlx::postgres::PgConnectOptions;
+use txinbox::sqlx::{self, Executor as _, Postgres};
 use txinbox::{Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 use txinbox_kafka::{KafkaConfig, KafkaSource};
 
@@ -56,8 +56,8 @@ struct Args {
         default_value = "127.0.0.1:9092"
     )]
     brokers: String,
-    /// The PostgreSQL server (its database `txinbox_kafka_example` is recreated). Its value is
-    /// never printed.
+    /// The PostgreSQL server (its database `txinbox_kafka_example` is recreated). TLS as with
+    /// libpq: `?sslmode=verify-full&sslrootcert=/path/to/ca.pem`. Its value is never printed.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -159,17 +159,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
 
     // A fresh database with the inbox tables and the application's table.
+    // TLS as the URL says (sslmode, sslrootcert, sslcert, sslkey); a refused connection says
+    // what to change.
+    let admin = PostgresInbox::connect(&database_url, 1).await?;
+    admin
+        .pool()
+        .execute("DROP DATABASE IF EXISTS txinbox_kafka_example WITH (FORCE)")
+        .await?;
+    admin
+        .pool()
+        .execute("CREATE DATABASE txinbox_kafka_example")
+        .await?;
+    admin.pool().close().await;
     let admin_db: PgConnectOptions = database_url.parse()?;
-    let mut conn = admin_db.connect().await?;
-    conn.execute("DROP DATABASE IF EXISTS txinbox_kafka_example WITH (FORCE)")
-        .await?;
-    conn.execute("CREATE DATABASE txinbox_kafka_example").await?;
-    let pool = PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(PostgresInbox::connect_options(
-            admin_db.database("txinbox_kafka_example"),
-        ))
-        .await?;
+    let pool = PostgresInbox::connect_with(admin_db.database("txinbox_kafka_example"), 8)
+        .await?
+        .pool()
+        .clone();
     txinbox::postgres::migrate(&pool).await?;
     pool.execute("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .await?;

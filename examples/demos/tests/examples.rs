@@ -14,8 +14,10 @@
 use std::process::Command;
 use std::time::Duration;
 
+use txinbox_testing::cluster::PrivateCluster;
 use txinbox_testing::database::TestDatabase;
 use txinbox_testing::output::{capture, example, find_secret, Captured};
+use txinbox_testing::tls::TestCa;
 
 const SECRET: &str = "Kx9-Secret-Tail";
 
@@ -456,4 +458,110 @@ async fn the_ledger_over_sasl_ssl_never_shows_the_password() {
 fn txinbox_amqp_host() -> String {
     let url = std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     url.rsplit_once('@').map(|(_, h)| h.to_owned()).unwrap_or(url)
+}
+
+/// The URLs of the three refusals a user meets against `cluster`, a TLS-only server (issue 27),
+/// each with what its error must say: a certificate from a CA the client was not given
+/// (`other`), a host name the certificate does not name, and plaintext. Each carries
+/// [`SECRET`] as its password and `sslpassword` (the server trusts: neither is checked).
+fn tls_refusals(cluster: &PrivateCluster, ca: &TestCa, other: &TestCa) -> Vec<(String, &'static str)> {
+    let port = cluster.port();
+    let user = format!("postgres:{SECRET}");
+    vec![
+        (
+            format!(
+                "postgres://{user}@127.0.0.1:{port}/postgres?sslmode=verify-full&sslrootcert={}&sslpassword={SECRET}",
+                other.cert_path().display()
+            ),
+            "set sslrootcert",
+        ),
+        (
+            format!(
+                "postgres://{user}@localhost:{port}/postgres?sslmode=verify-full&sslrootcert={}&sslpassword={SECRET}",
+                ca.cert_path().display()
+            ),
+            "not valid for host localhost",
+        ),
+        (
+            format!("postgres://{user}@127.0.0.1:{port}/postgres?sslmode=disable&sslpassword={SECRET}"),
+            "accepts TLS connections only",
+        ),
+    ]
+}
+
+/// `cluster`'s TLS URL with [`SECRET`] as the password and as `sslpassword` (which sqlx
+/// ignores, and logs while parsing): accepted, as the server trusts every TLS connection.
+fn tls_url_with_secrets(cluster: &PrivateCluster) -> String {
+    cluster
+        .url("postgres")
+        .replacen("postgres@", &format!("postgres:{SECRET}@"), 1)
+        + &format!("&sslpassword={SECRET}")
+}
+
+/// Runs example `name` with `args` and then `url`, at `RUST_LOG=trace`: what it printed, or
+/// `None` when it is not built. Its output must not show [`SECRET`].
+fn run_with_url(name: &str, args: &[&str], url: &str, timeout: Duration) -> Option<Captured> {
+    let args: Vec<&str> = args.iter().copied().chain([url]).collect();
+    let out = run(name, &args, &[("RUST_LOG", "trace".to_owned())], None, timeout)?;
+    assert_hidden(&format!("{name} {url}"), &out, SECRET);
+    Some(out)
+}
+
+/// `name` (run with `args` then a database URL) over TLS against a private server that refuses
+/// plaintext (issue 27): with `sslmode=verify-full` and the server's CA it succeeds and prints
+/// `done`; with a wrong CA, a wrong host name or plaintext it exits 1 saying what to change.
+/// No run shows the URL's password or `sslpassword`, at `RUST_LOG=trace` either.
+fn runs_over_tls(name: &str, args: &[&str], done: &str) {
+    let ca = TestCa::new("examples test CA");
+    let cluster = PrivateCluster::start_tls(&ca);
+    let Some(out) = run_with_url(
+        name,
+        args,
+        &tls_url_with_secrets(&cluster),
+        Duration::from_secs(300),
+    ) else {
+        return;
+    };
+    assert!(
+        out.code == Some(0) && out.stdout.contains(done),
+        "{name} over TLS: exit {:?}:\n{}",
+        out.code,
+        out.all()
+    );
+    let other = TestCa::new("some other CA");
+    for (url, says) in tls_refusals(&cluster, &ca, &other) {
+        let out = run_with_url(name, args, &url, Duration::from_secs(60)).unwrap();
+        assert!(
+            out.code == Some(1) && out.stderr.contains(says),
+            "{name} {url}: expected exit 1 saying {says:?}, got exit {:?}:\n{}",
+            out.code,
+            out.all()
+        );
+    }
+}
+
+/// The quickstart on PostgreSQL over TLS: [`runs_over_tls`], to its report.
+#[test]
+fn the_quickstart_runs_on_postgres_over_tls() {
+    runs_over_tls("quickstart", &["--database-url"], "PostgreSQL");
+}
+
+/// `payments_api` on PostgreSQL over TLS: [`runs_over_tls`], its `--bench` (POST /payments
+/// through the Idempotency-Key layer, committed in the database) to its table.
+#[test]
+fn payments_api_runs_on_postgres_over_tls() {
+    runs_over_tls(
+        "payments_api",
+        &[
+            "--bench",
+            "--requests",
+            "20",
+            "--rounds",
+            "1",
+            "--concurrency",
+            "2",
+            "--database-url",
+        ],
+        "with layer, new keys",
+    );
 }
