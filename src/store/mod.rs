@@ -403,10 +403,44 @@ pub enum DeadLetterOutcome {
 }
 
 /// A database failure, classified.
+///
+/// Its text names the store when the store classified it (`inbox database (PostgreSQL) …`,
+/// `inbox database (SQLite) …`), and a missing txinbox table says which `migrate` to run.
+/// The driver's error is its [`source()`](std::error::Error::source).
 #[derive(Debug)]
 pub struct StoreError {
     kind: StoreErrorKind,
+    store: Option<Store>,
     source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// Which store an error came from, for its text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Store {
+    #[cfg(feature = "postgres")]
+    Postgres,
+    #[cfg(feature = "sqlite")]
+    Sqlite,
+}
+
+impl Store {
+    fn name(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Store::Postgres => "PostgreSQL",
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite => "SQLite",
+        }
+    }
+
+    fn migrate(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Store::Postgres => "txinbox::postgres::migrate",
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite => "txinbox::sqlite::migrate",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -501,6 +535,7 @@ impl StoreError {
     pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Unavailable,
+            store: None,
             source: source.into(),
         }
     }
@@ -511,6 +546,7 @@ impl StoreError {
     pub fn contention(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Contention,
+            store: None,
             source: source.into(),
         }
     }
@@ -522,6 +558,7 @@ impl StoreError {
     pub fn busy(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Busy,
+            store: None,
             source: source.into(),
         }
     }
@@ -531,8 +568,29 @@ impl StoreError {
     pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Fatal,
+            store: None,
             source: source.into(),
         }
+    }
+
+    /// The same error, as one of `store`'s: its text names the store.
+    pub(crate) fn in_store(mut self, store: Store) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Whether the cause is a missing table or schema of the store (the migrations were not
+    /// applied): PostgreSQL `42P01` or `3F000`, SQLite "no such table".
+    fn missing_table(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*self.source);
+        while let Some(e) = cause {
+            if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+                return matches!(db.code().as_deref(), Some("42P01" | "3F000"))
+                    || db.message().starts_with("no such table");
+            }
+            cause = e.source();
+        }
+        false
     }
 
     /// Whether the runtime should back off and retry.
@@ -555,26 +613,42 @@ impl StoreError {
 
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let database = match self.store {
+            Some(store) => format!("inbox database ({})", store.name()),
+            None => "inbox database".to_owned(),
+        };
         match self.kind {
             StoreErrorKind::Unavailable => {
-                write!(f, "inbox database unavailable (will retry): {}", self.source)
+                write!(f, "{database} unavailable (will retry): {}", self.source)
             }
             StoreErrorKind::Contention => {
                 write!(
                     f,
-                    "inbox transaction lost a lock conflict (will retry): {}",
+                    "{database}: the transaction lost a lock conflict (will retry): {}",
                     self.source
                 )
             }
             StoreErrorKind::Busy => {
-                write!(f, "inbox database busy (will retry): {}", self.source)
+                write!(f, "{database} busy (will retry): {}", self.source)
             }
-            StoreErrorKind::Fatal => write!(f, "inbox database error: {}", self.source),
+            StoreErrorKind::Fatal => {
+                write!(f, "{database} error: {}", self.source)?;
+                match self.store {
+                    Some(store) if self.missing_table() => {
+                        write!(f, " (a txinbox table is missing: run {} first)", store.migrate())
+                    }
+                    _ => Ok(()),
+                }
+            }
         }
     }
 }
 
-impl std::error::Error for StoreError {}
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
 
 /// What a store's `dead_letter` does when marking the inbox row changed nothing: the key is
 /// taken. `row` is the key's `(status, fingerprint)` as read after the failed mark.

@@ -108,7 +108,7 @@ impl PostgresInbox {
             return StoreError::busy(format!(
                 "every one of the pool's {} connections stayed in use for the whole acquire timeout (the pool is too small for its load: the consumer's concurrency plus whatever else the application runs on it)",
                 self.pool.size()
-            ));
+            )).in_store(super::Store::Postgres);
         }
         classify(e)
     }
@@ -547,6 +547,10 @@ impl InboxStore for PostgresInbox {
 /// counted), busy (a statement timeout, a session ended for idling in a transaction: retry, not
 /// an outage) and fatal (stop and report).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    classify_kind(e).in_store(super::Store::Postgres)
+}
+
+fn classify_kind(e: sqlx::Error) -> StoreError {
     if super::is_lock_conflict(&e) {
         return StoreError::contention(e);
     }
