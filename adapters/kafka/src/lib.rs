@@ -80,6 +80,7 @@ mod assignment;
 mod config;
 mod dead_letter;
 mod delivery;
+mod error;
 mod poller;
 mod produce;
 mod publisher;
@@ -94,6 +95,7 @@ pub use config::{
     DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use delivery::KafkaDelivery;
+pub use error::KafkaError;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::KafkaSource;
 
