@@ -100,6 +100,14 @@ impl From<StoreError> for Error {
     }
 }
 
+/// A database error of your own statements (creating your tables in `main`, say), classified
+/// as the stores classify theirs: a [`Error::Store`] whose text names the database.
+impl From<sqlx::Error> for Error {
+    fn from(e: sqlx::Error) -> Self {
+        Error::Store(crate::store::classify(e))
+    }
+}
+
 impl From<sqlx::migrate::MigrateError> for Error {
     fn from(e: sqlx::migrate::MigrateError) -> Self {
         Error::Migrate(e)

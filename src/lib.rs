@@ -109,6 +109,8 @@ pub mod memory;
 pub mod otel;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub mod outbox;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// The PostgreSQL inbox store and its embedded migrations (feature `postgres`).
 ///

@@ -95,6 +95,15 @@ async fn question_mark_turns_each_error_into_txinbox_error_with_its_causes() {
     assert!(matches!(e, txinbox::Error::Migrate(_)), "{e:?}");
     assert_chain::<sqlx::migrate::MigrateError, sqlx::Error>(&e);
 
+    // sqlx::Error: the application's own statement, classified and named as the store's.
+    let own = async {
+        sqlx::query("SELECT * FROM no_such_table").execute(&pool).await?;
+        Ok::<_, txinbox::Error>(())
+    };
+    let e = own.await.unwrap_err();
+    assert_chain::<StoreError, sqlx::Error>(&e);
+    assert!(e.to_string().contains("(SQLite)"), "names the store: {e}");
+
     // SourceError: what an adapter's receive or constructor returns, with its driver's error.
     let source = || -> Result<(), txinbox::Error> {
         Err(SourceError::fatal(std::io::Error::other("broker said no")))?

@@ -529,6 +529,29 @@ pub fn is_unavailable(e: &sqlx::Error) -> bool {
     }
 }
 
+/// `e` classified by the store whose database answered it (the PostgreSQL or SQLite rules,
+/// naming the store); an error without a database answer (I/O, a pool timeout) by the rules
+/// every store shares.
+pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    if let sqlx::Error::Database(db) = &e {
+        #[cfg(feature = "postgres")]
+        if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+            return postgres::classify(e);
+        }
+        #[cfg(feature = "sqlite")]
+        if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+            return sqlite::classify(e);
+        }
+    }
+    if is_lock_conflict(&e) {
+        StoreError::contention(e)
+    } else if is_unavailable(&e) {
+        StoreError::transient(e)
+    } else {
+        StoreError::fatal(e)
+    }
+}
+
 impl StoreError {
     /// The database cannot be reached or cannot serve: connection lost, server restarting, pool
     /// exhausted. The runtime pauses intake and retries with backoff.
