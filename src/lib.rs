@@ -107,7 +107,6 @@ mod tracked;
 pub mod memory;
 #[cfg(feature = "otel")]
 pub mod otel;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub mod outbox;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -4,7 +4,6 @@
 //! `migrate` to run for it.
 #![cfg(all(feature = "sqlite", feature = "memory"))]
 
-use std::error::Error as _;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};

@@ -533,6 +533,7 @@ pub fn is_unavailable(e: &sqlx::Error) -> bool {
 /// naming the store); an error without a database answer (I/O, a pool timeout) by the rules
 /// every store shares.
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     if let sqlx::Error::Database(db) = &e {
         #[cfg(feature = "postgres")]
         if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
@@ -597,6 +598,7 @@ impl StoreError {
     }
 
     /// The same error, as one of `store`'s: its text names the store.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) fn in_store(mut self, store: Store) -> Self {
         self.store = Some(store);
         self
@@ -675,6 +677,7 @@ impl std::error::Error for StoreError {
 
 /// What a store's `dead_letter` does when marking the inbox row changed nothing: the key is
 /// taken. `row` is the key's `(status, fingerprint)` as read after the failed mark.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) enum Taken {
     /// Record the dead letter as a conflict, with this error text.
     AsConflict(String),
@@ -682,6 +685,7 @@ pub(crate) enum Taken {
     Skip(DeadLetterOutcome),
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 impl Taken {
     pub(crate) fn decide(
         row: Option<(String, Vec<u8>)>,
@@ -760,6 +764,7 @@ pub(crate) fn headers_json(headers: &Headers) -> serde_json::Value {
 }
 
 /// [`headers_json`] read back: entries it cannot read are skipped.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn headers_from_json(stored: &serde_json::Value) -> Headers {
     fn field(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> Option<Vec<u8>> {
         if let Some(s) = obj.get(key).and_then(|v| v.as_str()) {

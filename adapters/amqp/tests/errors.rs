@@ -1,7 +1,6 @@
 //! `AmqpError` goes into `txinbox::Error` with `?`, keeping itself and lapin's error in the
 //! cause chain; a broker that is not there is transient, an invalid configuration is not.
 
-use std::error::Error as _;
 use std::time::Duration;
 
 use txinbox::source::SourceError;

@@ -2,8 +2,6 @@
 //! `?` turns it into `txinbox::Error` with the cause chain intact (the `KafkaError`, then
 //! librdkafka's error with secrets masked).
 
-use std::error::Error as _;
-
 use txinbox::source::SourceError;
 use txinbox_kafka::{KafkaConfig, KafkaError, KafkaPublisher, KafkaSource};
 
