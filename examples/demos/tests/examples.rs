@@ -94,6 +94,12 @@ fn assert_hidden(what: &str, out: &Captured, secret: &str) {
             out.all()
         );
     }
+    // Its output goes to a pipe here, as into a file or a log collector: no colour codes.
+    assert!(
+        !out.all().contains('\u{1b}'),
+        "{what} writes terminal escape codes into a pipe:\n{}",
+        out.all()
+    );
 }
 
 /// `--help` (and `-h`) print the usage and exit 0 at once, before touching a service; the
