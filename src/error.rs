@@ -46,7 +46,8 @@ use crate::store::StoreError;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
-    /// The configuration is invalid; the message says what to change.
+    /// The configuration is invalid (the consumer's, or the service's around it); the message
+    /// says what to change.
     Config(String),
     /// The source failed in a way retrying cannot fix, or could not be created (an adapter's
     /// error, such as `txinbox_kafka::KafkaError`, is this error's `source()`).
@@ -65,7 +66,7 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Config(msg) => write!(f, "invalid consumer configuration: {msg}"),
+            Error::Config(msg) => write!(f, "invalid configuration: {msg}"),
             Error::Source(e) => write!(f, "{e}"),
             Error::Store(e) => write!(f, "{e}"),
             Error::Migrate(e) => write!(f, "applying txinbox's migrations failed: {e}"),
