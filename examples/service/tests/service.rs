@@ -18,7 +18,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::{ClientConfig, Message as _};
+use rdkafka::{ClientConfig, Message as _, Offset, TopicPartitionList};
 use txinbox::sqlx;
 use txinbox_testing::database::TestDatabase;
 
@@ -193,14 +193,18 @@ async fn one_deposit_end_to_end_then_sigterm() {
         .unwrap();
     assert_eq!(inbox, ("deposit-1".to_owned(), "processed".to_owned()));
 
-    // The event is on the events topic, keyed by the account.
+    // The event is on the events topic, keyed by the account (read without a group: no join).
     let reader: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
-        .set("group.id", format!("read-{events}"))
-        .set("auto.offset.reset", "earliest")
+        .set("group.id", format!("read-{events}")) // needed by librdkafka, never joined
+        .set("enable.auto.commit", "false")
         .create()
         .unwrap();
-    reader.subscribe(&[&events]).unwrap();
+    let mut partition = TopicPartitionList::new();
+    partition
+        .add_partition_offset(&events, 0, Offset::Beginning)
+        .unwrap();
+    reader.assign(&partition).unwrap();
     let event = tokio::task::block_in_place(|| {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
