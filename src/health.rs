@@ -513,6 +513,7 @@ pub(crate) struct RelayState {
     round_error: Mutex<Option<String>>,
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 impl RelayState {
     pub(crate) fn new(name: &str) -> Self {
         RelayState {
@@ -558,6 +559,7 @@ impl RelayState {
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 impl RelayState {
     /// A round reached the database and failed for another reason (see
     /// [`RelayReport::round_error`]).

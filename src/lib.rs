@@ -7,6 +7,69 @@
 //! transaction, commits, and only then settles the delivery with the broker. A redelivered
 //! message finds its ID in the inbox and is acknowledged without running the handler.
 //!
+//! ```
+//! use txinbox::memory::MemoryBroker;
+//! use txinbox::sqlx::{self, Sqlite};
+//! use txinbox::{Consumer, Context, Handler, HandlerError, Message, SqliteInbox};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Deposit {
+//!     account: String,
+//!     amount: i64,
+//! }
+//!
+//! struct Deposits;
+//!
+//! #[txinbox::async_trait]
+//! impl Handler<Sqlite> for Deposits {
+//!     async fn handle(&self, cx: &mut Context<'_, Sqlite>, msg: &Message) -> Result<(), HandlerError> {
+//!         let deposit: Deposit = msg.json()?; // undecodable: dead-lettered, never retried
+//!         sqlx::query("UPDATE accounts SET balance = balance + ?1 WHERE id = ?2")
+//!             .bind(deposit.amount)
+//!             .bind(&deposit.account)
+//!             .execute(cx.db()) // the inbox transaction
+//!             .await?; // a database error is transient: rolled back, retried with backoff
+//!         Ok(())
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), txinbox::Error> {
+//!     # let dir = std::env::temp_dir().join(format!("txinbox-doc-{}", std::process::id()));
+//!     # std::fs::create_dir_all(&dir).unwrap();
+//!     let inbox = SqliteInbox::open(dir.join("app.db"), 8).await?;
+//!     txinbox::sqlite::migrate(inbox.pool()).await?;
+//!     sqlx::raw_sql("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL);
+//!                    INSERT INTO accounts VALUES ('alice', 0)")
+//!         .execute(inbox.pool())
+//!         .await?;
+//!
+//!     // Any MessageSource: txinbox-kafka, txinbox-amqp, or the in-memory broker (feature `memory`).
+//!     let broker = MemoryBroker::new("deposits");
+//!     broker.publish("deposit-1", r#"{"account": "alice", "amount": 5}"#);
+//!     broker.publish("deposit-1", r#"{"account": "alice", "amount": 5}"#); // delivered twice
+//!     broker.close();
+//!     Consumer::builder("deposits")
+//!         .source(broker.source())
+//!         .inbox(inbox.clone())
+//!         .handler(Deposits)
+//!         .build()?
+//!         .run() // until the source is finished; `run_until(signal)` in a service
+//!         .await?;
+//!
+//!     let balance: i64 = sqlx::query_scalar("SELECT balance FROM accounts WHERE id = 'alice'")
+//!         .fetch_one(inbox.pool())
+//!         .await?;
+//!     assert_eq!(balance, 5); // applied once
+//!     # std::fs::remove_dir_all(&dir).ok();
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Kafka and PostgreSQL, a service in production shape, and a test for a handler
+//! (`txinbox::testing::HandlerTest`, feature `testing`): the repository's README and its
+//! `examples/service`.
+//!
 //! | situation | inbox | broker |
 //! |---|---|---|
 //! | handler `Ok` | row committed with the effects | ack |
@@ -49,6 +112,7 @@
 //! | `postgres` | yes | [`PostgresInbox`], [`postgres::migrate`] |
 //! | `sqlite` | yes | [`SqliteInbox`], [`sqlite::migrate`]: the embedded store (bundled SQLite) |
 //! | `memory` | yes | [`memory::MemoryBroker`], an in-process at-least-once broker with fault injection |
+//! | `testing` | no | `testing::HandlerTest`: run your handler through the consumer on a real store, check its effects and outcome |
 //! | `otel` | no | [`otel`]: W3C trace context across hops: a delivery's span is a child of the producer's, outbox rows carry the writer's context to the next consumer |
 //! | `crash-points` | no | [`crash`]: named points where a test build aborts the process on request |
 //!
@@ -108,8 +172,9 @@ mod tracked;
 pub mod memory;
 #[cfg(feature = "otel")]
 pub mod otel;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub mod outbox;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// The PostgreSQL inbox store and its embedded migrations (feature `postgres`).
 ///

@@ -25,6 +25,7 @@ pub struct Message {
     origin: Origin,
     native_id: Option<String>,
     redelivered: bool,
+    timestamp: Option<Timestamp>,
 }
 
 impl Message {
@@ -37,6 +38,7 @@ impl Message {
             origin,
             native_id: None,
             redelivered: false,
+            timestamp: None,
         }
     }
 
@@ -62,6 +64,12 @@ impl Message {
     /// Marks the message as a redelivery (the broker says it may have been seen before).
     pub fn with_redelivered(mut self, redelivered: bool) -> Self {
         self.redelivered = redelivered;
+        self
+    }
+
+    /// Sets the broker's timestamp of the message (the Kafka record timestamp).
+    pub fn with_timestamp(mut self, timestamp: Timestamp) -> Self {
+        self.timestamp = Some(timestamp);
         self
     }
 
@@ -96,6 +104,15 @@ impl Message {
         self.redelivered
     }
 
+    /// The broker's timestamp of the message, and what it means: on Kafka the record timestamp,
+    /// set by the producer ([`TimestampKind::CreateTime`]) or by the broker when it appended
+    /// the record ([`TimestampKind::LogAppendTime`]), as the topic's `message.timestamp.type`
+    /// says. `None` when the broker gives none (the in-memory broker, AMQP, a record without
+    /// one).
+    pub fn timestamp(&self) -> Option<Timestamp> {
+        self.timestamp
+    }
+
     /// The message type, for routing: the CloudEvents `type` (binary-mode header `ce_type`,
     /// `cloudEvents:type` or `cloudEvents_type`), else a `type` header.
     pub fn message_type(&self) -> Option<&str> {
@@ -126,6 +143,43 @@ impl Message {
     {
         decode(&self.payload).map_err(crate::HandlerError::undecodable)
     }
+}
+
+/// A broker's timestamp of a message: milliseconds since the Unix epoch, and who set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timestamp {
+    /// Milliseconds since the Unix epoch (UTC).
+    pub millis: i64,
+    /// Who set it.
+    pub kind: TimestampKind,
+}
+
+impl Timestamp {
+    /// A timestamp of `millis` milliseconds since the Unix epoch, set as `kind` says.
+    pub fn new(millis: i64, kind: TimestampKind) -> Self {
+        Timestamp { millis, kind }
+    }
+
+    /// As a [`SystemTime`](std::time::SystemTime).
+    pub fn to_system_time(&self) -> std::time::SystemTime {
+        let magnitude = std::time::Duration::from_millis(self.millis.unsigned_abs());
+        if self.millis >= 0 {
+            std::time::UNIX_EPOCH + magnitude
+        } else {
+            std::time::UNIX_EPOCH - magnitude
+        }
+    }
+}
+
+/// Who set a [`Timestamp`]: Kafka's two timestamp types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimestampKind {
+    /// The producer's clock when it created the record (`message.timestamp.type=CreateTime`,
+    /// Kafka's default): the event's time as the producer says, which may be late or skewed.
+    CreateTime,
+    /// The broker's clock when it appended the record to the log
+    /// (`message.timestamp.type=LogAppendTime`).
+    LogAppendTime,
 }
 
 /// Where a message came from, in OpenTelemetry messaging terms.

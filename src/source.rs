@@ -164,7 +164,8 @@ pub enum RetryMode {
     InPlace,
 }
 
-/// A failure to receive from the broker.
+/// A failure to receive from the broker, or to create a source. The adapter's error is its
+/// [`source()`](std::error::Error::source).
 #[derive(Debug)]
 pub struct SourceError {
     transient: bool,
@@ -202,7 +203,11 @@ impl fmt::Display for SourceError {
     }
 }
 
-impl std::error::Error for SourceError {}
+impl std::error::Error for SourceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
 
 /// A settlement that did not (or may not) reach the broker.
 #[derive(Debug)]
@@ -221,4 +226,8 @@ impl fmt::Display for SettleError {
     }
 }
 
-impl std::error::Error for SettleError {}
+impl std::error::Error for SettleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}

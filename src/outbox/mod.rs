@@ -64,10 +64,12 @@
 
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 mod relay;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub use relay::{Backlog, OutboxPool, Relay, RelayConfig, RelayError, RelayRound};
 
 use std::fmt;

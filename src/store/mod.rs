@@ -403,10 +403,44 @@ pub enum DeadLetterOutcome {
 }
 
 /// A database failure, classified.
+///
+/// Its text names the store when the store classified it (`inbox database (PostgreSQL) …`,
+/// `inbox database (SQLite) …`), and a missing txinbox table says which `migrate` to run.
+/// The driver's error is its [`source()`](std::error::Error::source).
 #[derive(Debug)]
 pub struct StoreError {
     kind: StoreErrorKind,
+    store: Option<Store>,
     source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+/// Which store an error came from, for its text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Store {
+    #[cfg(feature = "postgres")]
+    Postgres,
+    #[cfg(feature = "sqlite")]
+    Sqlite,
+}
+
+impl Store {
+    fn name(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Store::Postgres => "PostgreSQL",
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite => "SQLite",
+        }
+    }
+
+    fn migrate(self) -> &'static str {
+        match self {
+            #[cfg(feature = "postgres")]
+            Store::Postgres => "txinbox::postgres::migrate",
+            #[cfg(feature = "sqlite")]
+            Store::Sqlite => "txinbox::sqlite::migrate",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -695,6 +729,34 @@ impl std::error::Error for Refusal {
     }
 }
 
+/// `e` classified by the store whose database answered it (the PostgreSQL or SQLite rules,
+/// naming the store); an error without a database answer (I/O, a pool timeout) by the rules
+/// every store shares.
+pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    if let sqlx::Error::Database(db) = &e {
+        #[cfg(feature = "postgres")]
+        if db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>().is_some() {
+            return postgres::classify(e);
+        }
+        #[cfg(feature = "sqlite")]
+        if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+            return sqlite::classify(e);
+        }
+    }
+    let e = match StoreError::from_tls_refusal(e) {
+        Ok(refused) => return refused,
+        Err(e) => e,
+    };
+    if is_lock_conflict(&e) {
+        StoreError::contention(e)
+    } else if is_unavailable(&e) {
+        StoreError::transient(e)
+    } else {
+        StoreError::fatal(e)
+    }
+}
+
 impl StoreError {
     /// `e` as a fatal error that says what to change, when it is a refused TLS connection
     /// ([`tls_refusal`]); otherwise `e` back.
@@ -711,6 +773,7 @@ impl StoreError {
     pub fn transient(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Unavailable,
+            store: None,
             source: source.into(),
         }
     }
@@ -721,6 +784,7 @@ impl StoreError {
     pub fn contention(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Contention,
+            store: None,
             source: source.into(),
         }
     }
@@ -732,6 +796,7 @@ impl StoreError {
     pub fn busy(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Busy,
+            store: None,
             source: source.into(),
         }
     }
@@ -741,8 +806,30 @@ impl StoreError {
     pub fn fatal(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         StoreError {
             kind: StoreErrorKind::Fatal,
+            store: None,
             source: source.into(),
         }
+    }
+
+    /// The same error, as one of `store`'s: its text names the store.
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
+    pub(crate) fn in_store(mut self, store: Store) -> Self {
+        self.store = Some(store);
+        self
+    }
+
+    /// Whether the cause is a missing table or schema of the store (the migrations were not
+    /// applied): PostgreSQL `42P01` or `3F000`, SQLite "no such table".
+    fn missing_table(&self) -> bool {
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&*self.source);
+        while let Some(e) = cause {
+            if let Some(sqlx::Error::Database(db)) = e.downcast_ref::<sqlx::Error>() {
+                return matches!(db.code().as_deref(), Some("42P01" | "3F000"))
+                    || db.message().starts_with("no such table");
+            }
+            cause = e.source();
+        }
+        false
     }
 
     /// Whether the runtime should back off and retry.
@@ -765,29 +852,46 @@ impl StoreError {
 
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let database = match self.store {
+            Some(store) => format!("inbox database ({})", store.name()),
+            None => "inbox database".to_owned(),
+        };
         match self.kind {
             StoreErrorKind::Unavailable => {
-                write!(f, "inbox database unavailable (will retry): {}", self.source)
+                write!(f, "{database} unavailable (will retry): {}", self.source)
             }
             StoreErrorKind::Contention => {
                 write!(
                     f,
-                    "inbox transaction lost a lock conflict (will retry): {}",
+                    "{database}: the transaction lost a lock conflict (will retry): {}",
                     self.source
                 )
             }
             StoreErrorKind::Busy => {
-                write!(f, "inbox database busy (will retry): {}", self.source)
+                write!(f, "{database} busy (will retry): {}", self.source)
             }
-            StoreErrorKind::Fatal => write!(f, "inbox database error: {}", self.source),
+            StoreErrorKind::Fatal => {
+                write!(f, "{database} error: {}", self.source)?;
+                match self.store {
+                    Some(store) if self.missing_table() => {
+                        write!(f, " (a txinbox table is missing: run {} first)", store.migrate())
+                    }
+                    _ => Ok(()),
+                }
+            }
         }
     }
 }
 
-impl std::error::Error for StoreError {}
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
 
 /// What a store's `dead_letter` does when marking the inbox row changed nothing: the key is
 /// taken. `row` is the key's `(status, fingerprint)` as read after the failed mark.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) enum Taken {
     /// Record the dead letter as a conflict, with this error text.
     AsConflict(String),
@@ -795,6 +899,7 @@ pub(crate) enum Taken {
     Skip(DeadLetterOutcome),
 }
 
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 impl Taken {
     pub(crate) fn decide(
         row: Option<(String, Vec<u8>)>,
@@ -873,6 +978,7 @@ pub(crate) fn headers_json(headers: &Headers) -> serde_json::Value {
 }
 
 /// [`headers_json`] read back: entries it cannot read are skipped.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn headers_from_json(stored: &serde_json::Value) -> Headers {
     fn field(obj: &serde_json::Map<String, serde_json::Value>, key: &str) -> Option<Vec<u8>> {
         if let Some(s) = obj.get(key).and_then(|v| v.as_str()) {

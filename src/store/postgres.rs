@@ -127,7 +127,7 @@ impl PostgresInbox {
             return StoreError::busy(format!(
                 "every one of the pool's {} connections stayed in use for the whole acquire timeout (the pool is too small for its load: the consumer's concurrency plus whatever else the application runs on it)",
                 self.pool.size()
-            ));
+            )).in_store(super::Store::Postgres);
         }
         classify(e)
     }
@@ -609,6 +609,10 @@ pub(crate) fn readable(named: &str, path: &std::path::Path, key: bool) -> Result
 /// an outage) and fatal (stop and report; a refused TLS connection with what to change,
 /// [`tls_refusal`](super::tls_refusal)).
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    classify_kind(e).in_store(super::Store::Postgres)
+}
+
+fn classify_kind(e: sqlx::Error) -> StoreError {
     let e = match StoreError::from_tls_refusal(e) {
         Ok(refused) => return refused,
         Err(e) => e,

@@ -100,7 +100,7 @@ impl SqliteInbox {
             return StoreError::busy(format!(
                 "every one of the pool's {} connections stayed in use for the whole acquire timeout (the pool is too small for its load: the consumer's concurrency plus whatever else the application runs on it)",
                 self.pool.size()
-            ));
+            )).in_store(super::Store::Sqlite);
         }
         classify(e)
     }
@@ -444,6 +444,10 @@ impl InboxStore for SqliteInbox {
 /// another writer held the lock past the busy timeout). Everything else (missing table,
 /// constraint) is fatal.
 pub(crate) fn classify(e: sqlx::Error) -> StoreError {
+    classify_kind(e).in_store(super::Store::Sqlite)
+}
+
+fn classify_kind(e: sqlx::Error) -> StoreError {
     if super::is_lock_conflict(&e) {
         return StoreError::contention(e);
     }

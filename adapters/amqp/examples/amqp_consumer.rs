@@ -108,7 +108,11 @@ async fn main() -> anyhow::Result<()> {
     for directive in txinbox::redact::LOG_DIRECTIVES {
         filter = filter.add_directive(directive.parse()?);
     }
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        // Colour codes only for a terminal, never in a file or a log collector.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+        .init();
 
     // TLS as the URL says (sslmode, sslrootcert, sslcert, sslkey); a refused connection says
     // what to change.

@@ -2,7 +2,14 @@
 
 use std::fmt;
 
-/// A configuration or broker error from [`AmqpSource::connect`](crate::AmqpSource::connect).
+use txinbox::source::SourceError;
+
+/// A configuration or broker error from [`AmqpSource::connect`](crate::AmqpSource::connect)
+/// or [`AmqpPublisher::connect`](crate::AmqpPublisher::connect).
+///
+/// [`is_transient`](Self::is_transient) says whether trying again can help, `source()` is
+/// lapin's error, and `?` turns it into a [`txinbox::Error`] (a [`txinbox::Error::Source`]
+/// that keeps this error as its cause).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum AmqpError {
@@ -27,6 +34,12 @@ impl AmqpError {
             AmqpError::Config(_) => true,
             AmqpError::Broker { fatal, .. } => *fatal,
         }
+    }
+
+    /// Whether trying again may succeed (the opposite of [`is_fatal`](Self::is_fatal)), as
+    /// [`SourceError::is_transient`] and [`txinbox::store::StoreError::is_transient`] say it.
+    pub fn is_transient(&self) -> bool {
+        !self.is_fatal()
     }
 }
 
@@ -71,5 +84,16 @@ impl fmt::Display for Advised {
 impl std::error::Error for Advised {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         Some(&self.error)
+    }
+}
+
+impl From<AmqpError> for txinbox::Error {
+    fn from(e: AmqpError) -> Self {
+        let e = if e.is_fatal() {
+            SourceError::fatal(e)
+        } else {
+            SourceError::transient(e)
+        };
+        txinbox::Error::Source(e)
     }
 }

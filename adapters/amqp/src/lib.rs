@@ -1,30 +1,45 @@
-//! **RabbitMQ (AMQP 0.9.1) source for txinbox, over lapin.**
-//!
-//! [`AmqpSource`] consumes one queue for a txinbox [`Consumer`](txinbox::Consumer): each
-//! delivery is acknowledged only after the inbox row and the handler's effects committed in one
-//! database transaction, so RabbitMQ's at-least-once delivery becomes effectively-once effects.
+//! **txinbox-amqp: each RabbitMQ delivery is acknowledged only after its inbox row and the
+//! handler's effects committed in one database transaction: at-least-once delivery becomes
+//! effectively-once effects.**
 //!
 //! ```no_run
-//! use txinbox::{Consumer, PostgresInbox};
+//! use txinbox::{Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
 //! use txinbox_amqp::{AmqpConfig, AmqpSource};
-//! # struct MyHandler;
-//! # #[txinbox::async_trait]
-//! # impl txinbox::Handler<sqlx::Postgres> for MyHandler {
-//! #     async fn handle(&self, _: &mut txinbox::Context<'_, sqlx::Postgres>, _: &txinbox::Message)
-//! #         -> Result<(), txinbox::HandlerError> { Ok(()) }
-//! # }
-//! # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! let config = AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments").prefetch(64);
-//! let source = AmqpSource::connect(config).await?;
-//! Consumer::builder("payments")
-//!     .source(source)
-//!     .inbox(PostgresInbox::new(pool))
-//!     .handler(MyHandler)
-//!     .build()?
-//!     .run()
-//!     .await?;
-//! # Ok(()) }
+//!
+//! struct Payments;
+//!
+//! #[txinbox::async_trait]
+//! impl Handler<txinbox::sqlx::Postgres> for Payments {
+//!     async fn handle(&self, cx: &mut Context<'_, txinbox::sqlx::Postgres>, msg: &Message) -> Result<(), HandlerError> {
+//!         txinbox::sqlx::query("INSERT INTO payments (id, body) VALUES ($1, $2)")
+//!             .bind(cx.message_id().as_str())
+//!             .bind(&msg.payload()[..])
+//!             .execute(cx.db()) // the inbox transaction
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), txinbox::Error> {
+//!     let inbox = PostgresInbox::connect("postgres://postgres@127.0.0.1:5432/postgres", 10).await?;
+//!     txinbox::postgres::migrate(inbox.pool()).await?;
+//!     let config = AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "payments").prefetch(64);
+//!     let source = AmqpSource::connect(config).await?; // an AmqpError: `?` keeps it as the cause
+//!     Consumer::builder("payments")
+//!         .source(source)
+//!         .inbox(inbox)
+//!         .handler(Payments)
+//!         .build()?
+//!         .run_until(async {
+//!             tokio::signal::ctrl_c().await.ok();
+//!         })
+//!         .await
+//! }
 //! ```
+//!
+//! [`AmqpSource`] consumes one queue for a txinbox [`Consumer`](txinbox::Consumer) over lapin
+//! (AMQP 0.9.1). Connecting fails with an [`AmqpError`], which says whether retrying can help.
 //!
 //! # What happens on the broker
 //!

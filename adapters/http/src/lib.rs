@@ -2,13 +2,6 @@
 //! response replayed on every retry, because the key's claim, the handler's effects (and
 //! outbox rows) and the stored response commit in one database transaction or not at all.**
 //!
-//! [`IdempotencyLayer`] is a tower `Layer` for axum routes. For each request with a key it
-//! validates the key, reads the body (bounded), fingerprints the request, opens a transaction,
-//! claims `(principal, route, key)` with one `INSERT … ON CONFLICT` (the decision), runs the
-//! handler, which gets that transaction through the [`IdempotentTx`] extractor, stores the
-//! response in the claimed row and commits. A retry finds the committed row and gets the
-//! stored response back with `Idempotent-Replayed: true`.
-//!
 //! ```no_run
 //! use axum::{routing::post, Json, Router};
 //! use txinbox_http::{IdempotencyLayer, IdempotentTx};
@@ -29,6 +22,13 @@
 //! let app: Router = Router::new().route("/payments", post(pay).layer(idempotent));
 //! # }
 //! ```
+//!
+//! [`IdempotencyLayer`] is a tower `Layer` for axum routes. For each request with a key it
+//! validates the key, reads the body (bounded), fingerprints the request, opens a transaction,
+//! claims `(principal, route, key)` with one `INSERT … ON CONFLICT` (the decision), runs the
+//! handler, which gets that transaction through the [`IdempotentTx`] extractor, stores the
+//! response in the claimed row and commits. A retry finds the committed row and gets the
+//! stored response back with `Idempotent-Replayed: true`.
 //!
 //! # What happens
 //!

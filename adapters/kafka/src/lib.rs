@@ -1,26 +1,50 @@
-//! Kafka source adapter for [txinbox]: effectively-once effects from a Kafka consumer
-//! group.
+//! **txinbox-kafka: each record's inbox row, its handler's effects and its partition's next
+//! offset commit in one database transaction, and the offset reaches Kafka only after that
+//! commit: a Kafka consumer group with effectively-once effects.**
+//!
+//! ```no_run
+//! use txinbox::{Consumer, Context, Handler, HandlerError, Message, PostgresInbox};
+//! use txinbox_kafka::{KafkaConfig, KafkaSource};
+//!
+//! struct Deposits;
+//!
+//! #[txinbox::async_trait]
+//! impl Handler<txinbox::sqlx::Postgres> for Deposits {
+//!     async fn handle(&self, cx: &mut Context<'_, txinbox::sqlx::Postgres>, msg: &Message) -> Result<(), HandlerError> {
+//!         txinbox::sqlx::query("INSERT INTO deposits (id, body) VALUES ($1, $2)")
+//!             .bind(cx.message_id().as_str())
+//!             .bind(&msg.payload()[..])
+//!             .execute(cx.db()) // the inbox transaction
+//!             .await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! #[tokio::main]
+//! async fn main() -> Result<(), txinbox::Error> {
+//!     let inbox = PostgresInbox::connect("postgres://postgres@127.0.0.1:5432/postgres", 10).await?;
+//!     txinbox::postgres::migrate(inbox.pool()).await?;
+//!     let config = KafkaConfig::new("127.0.0.1:9092", "payments").topic("deposits");
+//!     let source = KafkaSource::new(config)?; // a KafkaError: `?` keeps it as the cause
+//!     Consumer::builder("payments-service") // the source reads this consumer's positions
+//!         .source(source)
+//!         .inbox(inbox)
+//!         .handler(Deposits)
+//!         .build()?
+//!         .run_until(async {
+//!             tokio::signal::ctrl_c().await.ok();
+//!         })
+//!         .await
+//! }
+//! ```
 //!
 //! [`KafkaSource`] implements [`txinbox::MessageSource`] over rdkafka (bundled, statically
 //! linked librdkafka 2.12.1). Give it to a [`txinbox::Consumer`] together with a
 //! [`txinbox::PostgresInbox`]; each record's inbox row, its effects *and its partition's next
 //! offset* commit in one transaction, and the offset is stored in Kafka only after that commit.
-//!
-//! ```no_run
-//! # async fn demo(inbox: txinbox::PostgresInbox, handler: impl txinbox::Handler<txinbox::sqlx::Postgres>) -> Result<(), txinbox::Error> {
-//! use txinbox_kafka::{KafkaConfig, KafkaSource};
-//!
-//! let config = KafkaConfig::new("127.0.0.1:9092", "payments").topic("deposits");
-//! let source = KafkaSource::new(config)?;
-//! txinbox::Consumer::builder("payments-service") // the source reads this consumer's positions
-//!     .source(source)
-//!     .inbox(inbox)
-//!     .handler(handler)
-//!     .build()?
-//!     .run_until(async { tokio::signal::ctrl_c().await.ok(); })
-//!     .await
-//! # }
-//! ```
+//! Each record's timestamp, with its type, is the message's
+//! [`timestamp`](txinbox::Message::timestamp). Creating a source or a publisher fails with a
+//! [`KafkaError`], which says whether retrying can help.
 //!
 //! [`KafkaPublisher`] publishes the rows of txinbox's transactional outbox
 //! ([`txinbox::outbox`]) for a [`txinbox::outbox::Relay`]: idempotent producer, `acks=all`,
@@ -82,6 +106,7 @@ mod config;
 mod connection;
 mod dead_letter;
 mod delivery;
+mod error;
 mod poller;
 mod produce;
 mod publisher;
@@ -97,6 +122,7 @@ pub use config::{
 };
 pub use connection::ConnectionContext;
 pub use delivery::KafkaDelivery;
+pub use error::KafkaError;
 pub use publisher::{KafkaPublisher, KafkaPublisherBuilder, DEFAULT_DELIVERY_TIMEOUT};
 pub use source::KafkaSource;
 

@@ -222,6 +222,9 @@ fn on_message(
     if let Some(key) = m.key() {
         message = message.with_key(key.to_vec());
     }
+    if let Some(timestamp) = timestamp(m.timestamp()) {
+        message = message.with_timestamp(timestamp);
+    }
     let item = Item {
         topic,
         partition,
@@ -233,6 +236,16 @@ fn on_message(
     };
     // If the source is gone the loop ends at its next check.
     let _ = tx.send(Ok(item));
+}
+
+/// The record's timestamp with its type; `None` for a record without one.
+fn timestamp(t: rdkafka::Timestamp) -> Option<txinbox::message::Timestamp> {
+    use txinbox::message::{Timestamp, TimestampKind};
+    match t {
+        rdkafka::Timestamp::NotAvailable => None,
+        rdkafka::Timestamp::CreateTime(ms) => Some(Timestamp::new(ms, TimestampKind::CreateTime)),
+        rdkafka::Timestamp::LogAppendTime(ms) => Some(Timestamp::new(ms, TimestampKind::LogAppendTime)),
+    }
 }
 
 fn on_poll_error(

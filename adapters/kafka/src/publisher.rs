@@ -193,25 +193,25 @@ impl KafkaPublisherBuilder {
     }
 
     /// Validates the settings and creates the producer (it connects in the background).
-    pub fn build(self) -> Result<KafkaPublisher, txinbox::Error> {
+    pub fn build(self) -> Result<KafkaPublisher, crate::KafkaError> {
         if self.brokers.trim().is_empty() {
-            return Err(txinbox::Error::Config(
+            return Err(crate::KafkaError::Config(
                 "KafkaPublisher: brokers is empty; pass host:port of at least one broker".into(),
             ));
         }
         if self.source.trim().is_empty() {
-            return Err(txinbox::Error::Config(
+            return Err(crate::KafkaError::Config(
                 "KafkaPublisher: source is empty; CloudEvents needs a non-empty URI reference such as /billing (or leave the default)".into(),
             ));
         }
         if self.delivery_timeout < Duration::from_millis(1) {
-            return Err(txinbox::Error::Config(
+            return Err(crate::KafkaError::Config(
                 "KafkaPublisher: delivery_timeout must be at least 1 ms".into(),
             ));
         }
         for (key, why) in OWNED {
             if let Some(v) = self.properties.get(*key) {
-                return Err(txinbox::Error::Config(format!(
+                return Err(crate::KafkaError::Config(format!(
                     "KafkaPublisher: property {key}={} cannot be set: {why}",
                     txinbox::redact::property(key, v)
                 )));
@@ -229,11 +229,10 @@ impl KafkaPublisherBuilder {
         for (k, v) in &self.properties {
             c.set(k, v);
         }
-        let producer = create(&c).map_err(|e| {
-            txinbox::Error::Config(format!(
-                "KafkaPublisher: creating the producer failed: {}",
-                masked_error(&e, &c)
-            ))
+        let producer = create(&c).map_err(|e| crate::KafkaError::Client {
+            context: "creating the outbox producer".into(),
+            fatal: true,
+            source: masked_error(&e, &c).into(),
         })?;
         Ok(KafkaPublisher {
             config: c,

@@ -16,6 +16,7 @@ use txinbox::{IdStrategy, MessageSource};
 use crate::config::{masked_error, KafkaConfig};
 use crate::connection::ConnectionContext;
 use crate::delivery::KafkaDelivery;
+use crate::error::KafkaError;
 use crate::poller::{poll_loop, PollerContext};
 use crate::ready::Ready;
 use crate::state::{Item, Shared, State};
@@ -91,20 +92,19 @@ impl KafkaSource {
     /// Must be called inside a Tokio runtime: position loads during rebalances run on it.
     ///
     /// [`ConsumerBuilder::build`]: txinbox::ConsumerBuilder::build
-    pub fn new(config: KafkaConfig) -> Result<Self, txinbox::Error> {
-        config.validate().map_err(txinbox::Error::Config)?;
+    pub fn new(config: KafkaConfig) -> Result<Self, KafkaError> {
+        config.validate().map_err(KafkaError::Config)?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            txinbox::Error::Config("KafkaSource::new must be called inside a Tokio runtime".into())
+            KafkaError::Config("KafkaSource::new must be called inside a Tokio runtime".into())
         })?;
         let mut producer_config = config.producer_config();
         let producer_context = ConnectionContext::new(&mut producer_config);
         let producer: FutureProducer<ConnectionContext> = producer_config
             .create_with_context(producer_context)
-            .map_err(|e| {
-                txinbox::Error::Config(format!(
-                    "creating the dead-letter producer failed: {}",
-                    masked_error(&e, &producer_config)
-                ))
+            .map_err(|e| KafkaError::Client {
+                context: "creating the dead-letter producer".into(),
+                fatal: true,
+                source: masked_error(&e, &producer_config).into(),
             })?;
         let shared = Arc::new(Shared {
             config: config.clone(),
@@ -125,16 +125,19 @@ impl KafkaSource {
             lag_reported: Mutex::new(Vec::new()),
         };
         let consumer: BaseConsumer<PollerContext> =
-            consumer_config.create_with_context(context).map_err(|e| {
-                txinbox::Error::Config(format!(
-                    "creating the Kafka consumer failed: {}",
-                    masked_error(&e, &consumer_config)
-                ))
-            })?;
+            consumer_config
+                .create_with_context(context)
+                .map_err(|e| KafkaError::Client {
+                    context: "creating the consumer".into(),
+                    fatal: true,
+                    source: masked_error(&e, &consumer_config).into(),
+                })?;
         let topics: Vec<&str> = config.topics.iter().map(String::as_str).collect();
-        consumer
-            .subscribe(&topics)
-            .map_err(|e| txinbox::Error::Config(format!("subscribing to {topics:?} failed: {e}")))?;
+        consumer.subscribe(&topics).map_err(|e| KafkaError::Client {
+            context: format!("subscribing to {topics:?}"),
+            fatal: true,
+            source: e.into(),
+        })?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (done_tx, done_rx) = oneshot::channel();
         let (start_tx, start_rx) = std::sync::mpsc::sync_channel(1);
@@ -153,7 +156,11 @@ impl KafkaSource {
                 }
                 let _ = done_tx.send(());
             })
-            .map_err(|e| txinbox::Error::Config(format!("starting the poller thread failed: {e}")))?;
+            .map_err(|e| KafkaError::Client {
+                context: "starting the poller thread".into(),
+                fatal: false,
+                source: e.into(),
+            })?;
         Ok(KafkaSource {
             shared,
             rx,

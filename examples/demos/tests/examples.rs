@@ -29,6 +29,7 @@ const EXAMPLES: &[&str] = &[
     "payments_api",
     "kafka_consumer",
     "amqp_consumer",
+    "service",
 ];
 
 /// The log levels a user tries: the example's default, debug for txinbox's own crates (and the
@@ -104,6 +105,12 @@ fn assert_hidden(what: &str, out: &Captured, secret: &str) {
             out.all()
         );
     }
+    // Its output goes to a pipe here, as into a file or a log collector: no colour codes.
+    assert!(
+        !out.all().contains('\u{1b}'),
+        "{what} writes terminal escape codes into a pipe:\n{}",
+        out.all()
+    );
 }
 
 /// `--help` (and `-h`) print the usage and exit 0 at once, before touching a service; the
@@ -356,13 +363,13 @@ async fn payments_api_never_shows_a_database_or_broker_secret() {
     db.drop_database().await;
 }
 
-/// The adapters' demos with a secret in the database URL (sqlx logs `sslpassword` while
+/// The adapters' demos and the service with a secret in the database URL (sqlx logs `sslpassword` while
 /// parsing) and a broker password: they stop at the unreachable database without showing it.
 #[test]
 fn the_adapter_demos_never_show_a_secret() {
     // Side by side: a pool waits out its acquire timeout against the unreachable database.
     std::thread::scope(|scope| {
-        for name in ["kafka_consumer", "amqp_consumer"] {
+        for name in ["kafka_consumer", "amqp_consumer", "service"] {
             for level in LOG_LEVELS {
                 scope.spawn(move || {
                     let mut env = secret_environment();

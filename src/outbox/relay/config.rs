@@ -140,4 +140,5 @@ impl fmt::Display for RelayError {
     }
 }
 
+// No cause: a configuration error is its own text.
 impl std::error::Error for RelayError {}

@@ -548,6 +548,7 @@ pub async fn start(spec: &Spec<'_>, config: AmqpConfig, probe: &Arc<Probe>, idx:
         let _ = tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .with_test_writer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
             .try_init();
     }
     let source = AmqpSource::connect(config).await.expect("AmqpSource connects");

@@ -24,6 +24,7 @@ pub fn init_tracing() {
         )
         .with_thread_names(true)
         .with_test_writer()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .try_init();
 }
 

@@ -728,6 +728,51 @@ async fn dropped_delivery_leaves_its_offset_unstored() {
     );
 }
 
+/// The record timestamp reaches the handler's `Message`, with its type: the producer's
+/// timestamp is `CreateTime`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_record_timestamp_and_its_type_reach_the_message() {
+    use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+    use txinbox::message::{Timestamp, TimestampKind};
+    use txinbox::{source::Settlement, Delivery, MessageSource};
+    let (mock, topic) = setup(1);
+    let db = TestDb::new().await;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &mock.bootstrap)
+        .create()
+        .unwrap();
+    let stamped = 1_700_000_000_123;
+    let record = FutureRecord::to(&topic).key("k").payload("{}").timestamp(stamped);
+    producer
+        .send_result(record)
+        .map_err(|(e, _)| e)
+        .unwrap()
+        .await
+        .unwrap()
+        .unwrap();
+    producer.flush(Duration::from_secs(30)).unwrap();
+
+    let config = kafka_config(&mock.bootstrap, "g-timestamp", &topic);
+    let mut source = txinbox_kafka::KafkaSource::new(config).unwrap();
+    source.attach_positions(txinbox::position::ConsumerPositions::new(CONSUMER, db.inbox()));
+    let d = tokio::time::timeout(Duration::from_secs(30), source.receive())
+        .await
+        .expect("a delivery within 30 s")
+        .unwrap()
+        .unwrap();
+    let timestamp = d.message().timestamp();
+    assert_eq!(
+        timestamp,
+        Some(Timestamp::new(stamped, TimestampKind::CreateTime))
+    );
+    assert_eq!(
+        timestamp.unwrap().to_system_time(),
+        std::time::UNIX_EPOCH + Duration::from_millis(stamped as u64)
+    );
+    d.settle(Settlement::Ack).await.unwrap();
+    source.close().await.unwrap();
+}
+
 /// A partition's lane runs one transaction at a time, so if one partition's backlog took every
 /// in-flight slot the others would wait behind it and batched throughput would be one lane's.
 /// Two partitions with a deep backlog each: the first deliveries alternate between them,
