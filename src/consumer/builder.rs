@@ -218,7 +218,10 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     /// pace of the latest batch's handlers (one message while no pace is known), so a batch
     /// runs past the duration by at most its last chunk, and by more only if its handlers
     /// become slower than they were. Each chunk after the first costs one more claim
-    /// statement; with fast handlers the first chunk is the whole batch. It bounds batches of
+    /// statement; with fast handlers the first chunk is the whole batch. A task also takes
+    /// from the queue only as many messages as the duration fits at that pace, so on the
+    /// unordered queue the rest start in other transactions beside it (up to
+    /// [`concurrency`](Self::concurrency)) instead of after it. It bounds batches of
     /// a per-message [`Handler`]; a [`BatchHandler`](crate::handler::BatchHandler) receives
     /// its batch in one call, which nothing interrupts.
     pub fn batch_max_duration(mut self, max: Duration) -> Self {

@@ -116,6 +116,22 @@ impl<St, H> Shared<St, H> {
         }
     }
 
+    /// How many queued messages a task takes for its transactions: the
+    /// [`batch_limit`](Self::batch_limit), or fewer when a `batch_max_duration` fits fewer at
+    /// the handlers' recent pace. What a bounded batch would not reach then stays queued for
+    /// the lane's next task, which on the unordered queue can run beside it.
+    pub(super) fn batch_take(&self) -> usize {
+        let limit = self.batch_limit();
+        let pace = self.handler_pace.load(Ordering::Relaxed);
+        match self.batch_max_duration {
+            Some(max) if pace > 0 => {
+                let fits = usize::try_from(max.as_nanos() / u128::from(pace)).unwrap_or(usize::MAX);
+                limit.min(fits.max(1))
+            }
+            _ => limit,
+        }
+    }
+
     /// How many more messages a batch bounded by its duration claims with `time_left` until the
     /// duration has passed, of `left` not yet claimed: as many as the handlers' recent pace fits
     /// (at least one: the duration has not passed), or one while no pace is known.

@@ -537,8 +537,9 @@ impl Handler<Postgres> for Sleepy {
     async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
         let id = cx.message_id().to_string();
         sqlx::query(
-            "INSERT INTO batch_effects (message_id, txid, ran_ms)
-             VALUES ($1, txid_current(), extract(epoch FROM clock_timestamp() - now()) * 1000)",
+            "INSERT INTO batch_effects (message_id, txid, ran_ms, at_ms)
+             VALUES ($1, txid_current(), extract(epoch FROM clock_timestamp() - now()) * 1000,
+                     extract(epoch FROM clock_timestamp()) * 1000)",
         )
         .bind(&id)
         .execute(cx.db())
@@ -557,7 +558,7 @@ impl Handler<Postgres> for Sleepy {
 #[tokio::test]
 async fn a_batch_that_ran_for_its_max_duration_takes_no_more_messages() {
     let db = db().await;
-    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8")
+    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8, ADD COLUMN at_ms float8")
         .execute(&db.pool)
         .await
         .unwrap();
@@ -612,4 +613,73 @@ async fn a_batch_that_ran_for_its_max_duration_takes_no_more_messages() {
         batches.iter().map(|b| b.2.round()).collect::<Vec<_>>()
     );
     assert!(sizes.iter().any(|&n| n >= 2), "it still batches: sizes {sizes:?}");
+}
+
+/// With `batch_max_duration`, a task takes from the unordered queue only what the duration fits
+/// at the handlers' pace, so a burst of slow messages runs in transactions side by side rather
+/// than in one task after another. A first message measures the pace; then 40 are queued at
+/// once (`batch_size` would give them all to one task, whose bounded transactions would run one
+/// after another).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_slow_unordered_messages_spreads_over_concurrent_bounded_batches() {
+    let db = db().await;
+    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8, ADD COLUMN at_ms float8")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new("batch");
+    let consumer = Consumer::builder("bounded-burst")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(Sleepy)
+        .batch_size(1000)
+        .max_in_flight(1000)
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let running = tokio::spawn(consumer.run());
+    let settled = |n: u64| {
+        let broker = broker.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while broker.stats().acked < n {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} of {n} settled",
+                    broker.stats().acked
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    broker.publish("warm-up", "p");
+    settled(1).await;
+    for i in 0..40 {
+        broker.publish(format!("m{i:02}"), "p");
+    }
+    settled(41).await;
+    running.abort();
+
+    // Per transaction of the burst: when its first and its last handler started.
+    let spans: Vec<(i64, f64, f64, i64)> = sqlx::query_as(
+        "SELECT txid, min(at_ms), max(at_ms), count(*) FROM batch_effects
+         WHERE message_id <> 'warm-up' GROUP BY txid ORDER BY min(at_ms)",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        spans.iter().map(|s| s.3).sum::<i64>(),
+        40,
+        "every message once: {spans:?}"
+    );
+    let overlapping = spans
+        .iter()
+        .enumerate()
+        .any(|(i, a)| spans[i + 1..].iter().any(|b| b.1 < a.2));
+    assert!(
+        overlapping,
+        "the burst's transactions ran side by side, not one after another: {spans:?}"
+    );
 }
