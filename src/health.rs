@@ -275,6 +275,8 @@ pub(crate) struct State {
     database: AtomicBool,
     pub(crate) source: SourceHealth,
     lanes: Mutex<HashMap<Option<Arc<str>>, LaneStat>>,
+    /// Whether `lanes` is kept; `false` only for the benchmark's cost row.
+    track_lanes: bool,
 }
 
 #[derive(Default)]
@@ -294,8 +296,9 @@ pub(crate) struct LaneSample {
 }
 
 impl State {
-    pub(crate) fn new(consumer: Arc<str>) -> Self {
+    pub(crate) fn new(consumer: Arc<str>, track_lanes: bool) -> Self {
         State {
+            track_lanes,
             consumer,
             run: AtomicU8::new(0),
             database: AtomicBool::new(true),
@@ -314,6 +317,9 @@ impl State {
 
     /// A delivery of `lane` was received at `at`.
     pub(crate) fn received(&self, lane: &Option<Arc<str>>, at: Instant) {
+        if !self.track_lanes {
+            return;
+        }
         let mut lanes = self.lanes.lock().unwrap();
         if !lanes.contains_key(lane) && lanes.len() >= MAX_IDLE_LANES {
             let assigned = self.source.assigned().unwrap_or_default();
@@ -329,6 +335,9 @@ impl State {
 
     /// A delivery of `lane` received at `at` was settled, or given up unsettled.
     pub(crate) fn settled(&self, lane: &Option<Arc<str>>, at: Instant) {
+        if !self.track_lanes {
+            return;
+        }
         let mut lanes = self.lanes.lock().unwrap();
         let Some(stat) = lanes.get_mut(lane) else {
             return;
@@ -587,7 +596,7 @@ mod tests {
 
     #[test]
     fn a_lane_is_stalled_only_while_deliveries_wait_without_progress() {
-        let state = State::new("c".into());
+        let state = State::new("c".into(), true);
         state.set_running(true);
         let key = Some(Arc::<str>::from("t/0"));
         let long_ago = Instant::now() - Duration::from_secs(60);
@@ -607,7 +616,7 @@ mod tests {
     /// clock starts when it got busy, not at its last progress.
     #[test]
     fn an_idle_lane_that_gets_busy_is_not_stalled_at_once() {
-        let state = State::new("c".into());
+        let state = State::new("c".into(), true);
         state.set_running(true);
         let key = Some(Arc::<str>::from("t/0"));
         state.received(&key, Instant::now());
@@ -623,7 +632,7 @@ mod tests {
     /// kind reported again replaces its lines, an empty report clears them.
     #[test]
     fn problems_the_source_reports_make_the_consumer_not_ready_until_cleared() {
-        let state = State::new("c".into());
+        let state = State::new("c".into(), true);
         state.set_running(true);
         assert!(state.report(DEFAULT_STALL_AFTER).is_ready());
         state
@@ -658,7 +667,7 @@ mod tests {
 
     #[test]
     fn idle_lanes_are_forgotten_past_the_cap_but_busy_and_assigned_ones_stay() {
-        let state = State::new("c".into());
+        let state = State::new("c".into(), true);
         state.source.set_assigned(["assigned"]);
         let now = Instant::now();
         let busy = Some(Arc::<str>::from("busy"));

@@ -60,6 +60,7 @@ pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     batch_size: usize,
     batch_linger: Duration,
     batch_max_duration: Option<Duration>,
+    track_lanes: bool,
 }
 
 impl Consumer<(), (), ()> {
@@ -84,6 +85,7 @@ impl Consumer<(), (), ()> {
             batch_size: DEFAULT_BATCH_SIZE,
             batch_linger: DEFAULT_BATCH_LINGER,
             batch_max_duration: DEFAULT_BATCH_MAX_DURATION,
+            track_lanes: true,
         }
     }
 }
@@ -106,6 +108,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
             batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -126,6 +129,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
             batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -146,6 +150,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
             batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -229,6 +234,17 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
         self
     }
 
+    /// Not part of the API: turns off the per-lane health tracking (what
+    /// [`HealthReport::lanes`](crate::health::HealthReport::lanes) and the lane gauges show,
+    /// one short lock when a delivery is received and one when it is settled), so that the
+    /// benchmark can measure what that tracking costs. A report then lists no lane and none
+    /// is ever stalled.
+    #[doc(hidden)]
+    pub fn untracked_lanes_for_benchmarks(mut self) -> Self {
+        self.track_lanes = false;
+        self
+    }
+
     /// Largest accepted payload plus headers, in bytes. Larger messages are dead-lettered with
     /// reason `too_large` without running the handler, and without reading the payload (an ID
     /// strategy that needs it, such as a JSON pointer, finds no ID). Default: 1 MiB.
@@ -295,7 +311,7 @@ where
         }
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
-        let health = Arc::new(health::State::new(name.clone()));
+        let health = Arc::new(health::State::new(name.clone(), self.track_lanes));
         let shared = Arc::new(Shared {
             metrics: telemetry::Metrics::new(&name),
             name: name.clone(),

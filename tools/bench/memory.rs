@@ -7,7 +7,7 @@ use txinbox::memory::MemoryBroker;
 use txinbox::sqlx::{self, Executor};
 use txinbox::Consumer;
 
-use crate::bench::Bench;
+use crate::bench::{Bench, Variant};
 use crate::effects::Effects;
 use crate::measure::{reset_peak_rss, rss_mb, Probe};
 use crate::publish::{publish_loop, Load, Publisher};
@@ -47,6 +47,86 @@ impl Bench {
             row.mode = paced_mode(mode);
             print_row(&row);
             rows.push(row);
+        }
+        self.sleeping_rows(rows).await?;
+        self.health_rows(rows).await
+    }
+
+    /// A handler waiting on slow I/O (it sleeps `--sleep-ms`), batched without and with
+    /// `batch_max_duration` (`--batch-max-ms`): what the bound does to the rate, the
+    /// transactions and the latency.
+    async fn sleeping_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        if self.args.sleep_messages == 0 {
+            return Ok(());
+        }
+        let sleep = Duration::from_millis(self.args.sleep_ms);
+        for (mode, bound) in [
+            ("sleep", None),
+            ("sleep+bound", Some(Duration::from_millis(self.args.batch_max_ms))),
+        ] {
+            let broker = MemoryBroker::new("bench");
+            let name = format!("bench-memory-{}-{}", mode.replace('+', "-"), self.run_id);
+            let load = Load::saturated(
+                self.args.sleep_messages,
+                self.args.window.unwrap_or(MEMORY_WINDOW),
+            );
+            let variant = Variant {
+                sleep: Some(sleep),
+                batch_max_duration: bound,
+                ..Variant::default()
+            };
+            let publisher = Publisher::Memory(broker.clone());
+            let mut row = self
+                .row_with(
+                    "memory",
+                    Mode::Batched,
+                    &name,
+                    broker.source(),
+                    publisher,
+                    None,
+                    load,
+                    variant,
+                )
+                .await?;
+            row.mode = mode;
+            print_row(&row);
+            rows.push(row);
+        }
+        Ok(())
+    }
+
+    /// The cost of lane health tracking: the batched memory row with it on and off, in
+    /// alternating pairs (`--health-pairs`), so that drift in the machine's speed hits both.
+    async fn health_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        for pair in 0..self.args.health_pairs {
+            for (mode, track_lanes) in [("health_on", true), ("health_off", false)] {
+                let broker = MemoryBroker::new("bench");
+                let name = format!("bench-memory-{mode}-{pair}-{}", self.run_id);
+                let load = Load::saturated(
+                    self.count(Mode::Batched),
+                    self.args.window.unwrap_or(MEMORY_WINDOW),
+                );
+                let variant = Variant {
+                    track_lanes,
+                    ..Variant::default()
+                };
+                let publisher = Publisher::Memory(broker.clone());
+                let mut row = self
+                    .row_with(
+                        "memory",
+                        Mode::Batched,
+                        &name,
+                        broker.source(),
+                        publisher,
+                        None,
+                        load,
+                        variant,
+                    )
+                    .await?;
+                row.mode = mode;
+                print_row(&row);
+                rows.push(row);
+            }
         }
         Ok(())
     }
