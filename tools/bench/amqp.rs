@@ -51,6 +51,9 @@ impl Bench {
             }
         };
         let window = self.source_rows("amqp", rows, amqp_row).await?;
+        if !self.args.runs("peer") {
+            return Ok(());
+        }
 
         let queue = format!("bench-peer-{}", self.run_id);
         declare_queue(&channel, &queue).await?;

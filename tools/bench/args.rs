@@ -30,6 +30,27 @@ pub(crate) struct Args {
     pub(crate) batch_max_ms: u64,
     /// Pairs of health cost rows (tracking on, then off; 0: none).
     pub(crate) health_pairs: u32,
+    /// The kinds of rows to run (`None`: all of [`MODES`]).
+    pub(crate) modes: Option<Vec<String>>,
+}
+
+/// The kinds of rows `--modes` selects from: `paced` is the fixed-rate rows, `sleep` the
+/// sleeping handler's (memory), `health` the health cost pairs (memory).
+pub(crate) const MODES: [&str; 7] = [
+    "raw",
+    "per_message",
+    "batched",
+    "paced",
+    "peer",
+    "sleep",
+    "health",
+];
+
+impl Args {
+    /// Whether rows of kind `mode` (one of [`MODES`]) run.
+    pub(crate) fn runs(&self, mode: &str) -> bool {
+        self.modes.as_ref().is_none_or(|m| m.iter().any(|x| x == mode))
+    }
 }
 
 pub(crate) fn parse_args() -> anyhow::Result<Args> {
@@ -54,6 +75,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         sleep_ms: 5,
         batch_max_ms: 50,
         health_pairs: 5,
+        modes: None,
     };
     let mut sleep_messages_set = false;
     let mut it = std::env::args().skip(1);
@@ -83,6 +105,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
             "--sleep-ms" => a.sleep_ms = value()?.parse()?,
             "--batch-max-ms" => a.batch_max_ms = value()?.parse()?,
             "--health-pairs" => a.health_pairs = value()?.parse()?,
+            "--modes" => a.modes = Some(value()?.split(',').map(str::to_owned).collect()),
             "--help" | "-h" => {
                 println!(
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
@@ -92,7 +115,8 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
                      [--no-pgbench] [--pgbench-seconds N (5)] [--paced-seconds N (10; 0: no fixed-rate rows)]\n  \
                      [--require-brokers (an unreachable broker fails the run)]\n  \
                      [--sleep-messages N (min(messages, 4000); 0: no sleeping-handler rows)] [--sleep-ms N (5)] [--batch-max-ms N (50)]\n  \
-                     [--health-pairs N (5; 0: no health cost rows)]"
+                     [--health-pairs N (5; 0: no health cost rows)]\n  \
+                     [--modes raw,per_message,batched,paced,peer,sleep,health (all)]"
                 );
                 std::process::exit(0);
             }
@@ -111,6 +135,9 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         .find(|s| !["memory", "kafka", "amqp"].contains(&s.as_str()))
     {
         bail!("unknown source {bad:?}: use memory, kafka, amqp");
+    }
+    if let Some(bad) = a.modes.iter().flatten().find(|m| !MODES.contains(&m.as_str())) {
+        bail!("unknown mode {bad:?}: use {}", MODES.join(", "));
     }
     Ok(a)
 }

@@ -330,6 +330,9 @@ impl Bench {
             })
             .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            if !self.args.runs(mode.as_str()) {
+                continue;
+            }
             let r = row(
                 mode,
                 mode.as_str().to_owned(),
@@ -352,6 +355,9 @@ impl Bench {
     /// each at half the batched rate, for `--paced-seconds` (none if that is 0 or the source
     /// has no batched row).
     pub(crate) fn paced(&self, rows: &[Row], source: &str, window: u64) -> Vec<(Mode, Load)> {
+        if !self.args.runs("paced") {
+            return Vec::new();
+        }
         let Some(batched) = rows
             .iter()
             .find(|r| r.source == source && r.mode == "batched")

@@ -89,6 +89,9 @@ impl Bench {
             }
         };
         let window = self.source_rows("kafka", rows, kafka_row).await?;
+        if !self.args.runs("peer") {
+            return Ok(());
+        }
 
         let topic = format!("bench-peer-{}", self.run_id);
         create_topic(&admin, &topic, self.args.partitions).await?;

@@ -20,6 +20,9 @@ pub(crate) const MEMORY_WINDOW: u64 = 2_000;
 impl Bench {
     pub(crate) async fn memory_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            if !self.args.runs(mode.as_str()) {
+                continue;
+            }
             let broker = MemoryBroker::new("bench");
             let name = format!("bench-memory-{}-{}", mode.as_str(), self.run_id);
             let row = self
@@ -56,7 +59,7 @@ impl Bench {
     /// `batch_max_duration` (`--batch-max-ms`): what the bound does to the rate, the
     /// transactions and the latency.
     async fn sleeping_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-        if self.args.sleep_messages == 0 {
+        if self.args.sleep_messages == 0 || !self.args.runs("sleep") {
             return Ok(());
         }
         let sleep = Duration::from_millis(self.args.sleep_ms);
@@ -98,7 +101,12 @@ impl Bench {
     /// The cost of lane health tracking: the batched memory row with it on and off, in
     /// alternating pairs (`--health-pairs`), so that drift in the machine's speed hits both.
     async fn health_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-        for pair in 0..self.args.health_pairs {
+        let pairs = if self.args.runs("health") {
+            self.args.health_pairs
+        } else {
+            0
+        };
+        for pair in 0..pairs {
             for (mode, track_lanes) in [("health_on", true), ("health_off", false)] {
                 let broker = MemoryBroker::new("bench");
                 let name = format!("bench-memory-{mode}-{pair}-{}", self.run_id);
