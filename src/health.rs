@@ -26,7 +26,7 @@
 //! Reading a report takes one short lock; the per-message cost of tracking is one uncontended
 //! lock when a delivery is received and one when it is settled.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -282,8 +282,13 @@ pub(crate) struct State {
 #[derive(Default)]
 struct LaneStat {
     unsettled: usize,
-    /// Receive instants of the unsettled deliveries, with counts.
-    received: BTreeMap<Instant, usize>,
+    /// Receive instants of the unsettled deliveries with their counts, oldest first. Deliveries
+    /// come in time order, so a new one goes at the back; a settled one is found by binary
+    /// search and counted down. Emptied entries leave from the front, and are swept from the
+    /// middle once they outnumber the rest (deliveries settle out of order), so that what a
+    /// lane holds stays proportional to what it has unsettled. (A `BTreeMap` did the same with
+    /// a node search and an insert or removal per delivery: most of what tracking cost.)
+    received: VecDeque<(Instant, usize)>,
     last_progress: Option<Instant>,
     /// When the lane last went from nothing unsettled to something.
     busy_since: Option<Instant>,
@@ -321,16 +326,33 @@ impl State {
             return;
         }
         let mut lanes = self.lanes.lock().unwrap();
-        if !lanes.contains_key(lane) && lanes.len() >= MAX_IDLE_LANES {
-            let assigned = self.source.assigned().unwrap_or_default();
-            lanes.retain(|k, s| s.unsettled > 0 || k.as_ref().is_some_and(|k| assigned.contains(k)));
-        }
-        let stat = lanes.entry(lane.clone()).or_default();
+        // NOTE: a lookup first: the common case neither clones the lane's key nor hashes it twice.
+        let stat = match lanes.get_mut(lane) {
+            Some(stat) => stat,
+            None => {
+                if lanes.len() >= MAX_IDLE_LANES {
+                    let assigned = self.source.assigned().unwrap_or_default();
+                    lanes.retain(|k, s| s.unsettled > 0 || k.as_ref().is_some_and(|k| assigned.contains(k)));
+                }
+                lanes.entry(lane.clone()).or_default()
+            }
+        };
         if stat.unsettled == 0 {
             stat.busy_since = Some(at);
         }
         stat.unsettled += 1;
-        *stat.received.entry(at).or_default() += 1;
+        match stat.received.back_mut() {
+            Some((last, n)) if *last == at => *n += 1,
+            Some((last, _)) if *last > at => {
+                // Out of order (never from the intake loop, whose instants only grow).
+                let i = stat.received.partition_point(|(t, _)| *t < at);
+                match stat.received.get_mut(i) {
+                    Some((t, n)) if *t == at => *n += 1,
+                    _ => stat.received.insert(i, (at, 1)),
+                }
+            }
+            _ => stat.received.push_back((at, 1)),
+        }
     }
 
     /// A delivery of `lane` received at `at` was settled, or given up unsettled.
@@ -343,11 +365,17 @@ impl State {
             return;
         };
         stat.unsettled = stat.unsettled.saturating_sub(1);
-        if let Some(n) = stat.received.get_mut(&at) {
-            *n -= 1;
-            if *n == 0 {
-                stat.received.remove(&at);
+        let i = stat.received.partition_point(|(t, _)| *t < at);
+        if let Some((t, n)) = stat.received.get_mut(i) {
+            if *t == at && *n > 0 {
+                *n -= 1;
             }
+        }
+        while matches!(stat.received.front(), Some((_, 0))) {
+            stat.received.pop_front();
+        }
+        if stat.received.len() > 2 * stat.unsettled + 64 {
+            stat.received.retain(|(_, n)| *n > 0);
         }
         stat.last_progress = Some(Instant::now());
     }
@@ -410,7 +438,7 @@ impl State {
 
 impl LaneStat {
     fn oldest(&self, now: Instant) -> Option<Duration> {
-        self.received.keys().next().map(|t| now - *t)
+        self.received.front().map(|(t, _)| now - *t)
     }
 
     fn stalled(&self, now: Instant, stall_after: Duration) -> bool {
@@ -592,6 +620,42 @@ mod tests {
 
     fn lane(report: &HealthReport) -> &LaneHealth {
         &report.lanes[0]
+    }
+
+    /// The oldest unsettled delivery is tracked through settlements in any order, and a lane
+    /// whose oldest delivery stays unsettled keeps only what is unsettled, not every delivery
+    /// settled after it.
+    #[test]
+    fn the_oldest_unsettled_survives_out_of_order_settlement_in_bounded_memory() {
+        let state = State::new("c".into(), true);
+        let key: Option<Arc<str>> = None;
+        let base = Instant::now() - Duration::from_secs(100);
+        let at = |s: u64| base + Duration::from_secs(10 * s);
+        // The oldest unsettled delivery's age, in whole tens of seconds since `base` (its `s`).
+        let oldest = || {
+            let age = state.sample()[0].oldest_unsettled;
+            ((Instant::now() - age) - base).as_secs_f64() / 10.0
+        };
+        state.received(&key, at(1));
+        state.received(&key, at(3));
+        state.received(&key, at(3));
+        state.received(&key, at(2)); // out of order
+        state.settled(&key, at(1));
+        assert_eq!(oldest().round(), 2.0, "the out-of-order one is now the oldest");
+        state.settled(&key, at(2));
+        state.settled(&key, at(3));
+        assert_eq!(oldest().round(), 3.0, "one of the two at 3 is left");
+        // at(3) stays unsettled while 10,000 later deliveries come and go.
+        for i in 0..10_000 {
+            let t = at(4) + Duration::from_micros(i);
+            state.received(&key, t);
+            state.settled(&key, t);
+        }
+        assert_eq!(oldest().round(), 3.0);
+        let held = state.lanes.lock().unwrap()[&key].received.len();
+        assert!(held <= 2 + 64, "{held} entries held for one unsettled delivery");
+        state.settled(&key, at(3));
+        assert_eq!(state.sample()[0].oldest_unsettled, Duration::ZERO);
     }
 
     #[test]
