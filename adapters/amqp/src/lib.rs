@@ -132,6 +132,7 @@
 // is what the root and its public modules show (tests, tools and binaries have none).
 #![warn(unreachable_pub)]
 
+mod acks;
 mod config;
 mod confirm;
 mod delivery;
@@ -143,6 +144,7 @@ mod shared;
 mod source;
 pub mod telemetry;
 mod tls;
+mod tracker;
 
 pub use config::{
     retry_queue_arguments, AmqpConfig, QueueType, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DELIVERY_LIMIT,
