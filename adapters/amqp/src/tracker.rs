@@ -1,7 +1,7 @@
 //! Which delivery tags of one channel may be acknowledged now, and in how few `basic.ack`
 //! frames: the acknowledgement side of what the Kafka adapter does with offsets
-//! (`adapters/kafka/src/tracker.rs`), pure and synchronous so a model can check it
-//! ([`tests`]).
+//! (`adapters/kafka/src/tracker.rs`), pure and synchronous so a model can check it (the
+//! tests below).
 //!
 //! The broker keeps, per channel, the set of delivery tags it sent and that were neither acked
 //! nor nacked (*outstanding*). `basic.ack(tag, multiple = true)` settles every outstanding tag
