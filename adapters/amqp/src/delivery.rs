@@ -5,14 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
-use lapin::{Acker, BasicProperties};
+use lapin::BasicProperties;
 use txinbox::{
     async_trait, dead_letter::DeadLetter, message::Origin, source::Lane, source::SettleError,
     source::Settlement, Delivery, Message,
 };
 
+use crate::acks::NotSent;
 use crate::confirm::{confirmed, Unconfirmed};
 use crate::fit::{self, Form};
 use crate::headers::{self, int_header, to_headers};
@@ -25,7 +26,7 @@ use crate::telemetry;
 ///
 /// | settlement | on the broker |
 /// |---|---|
-/// | `Ack` | `basic.ack` (single) on the delivery's own channel |
+/// | `Ack` | `basic.ack` on the delivery's own channel, coalesced with its neighbours': `multiple` for a run of settled deliveries, never past one that is not settled (see below) |
 /// | `Retry { after }` | a copy (same properties and headers, `x-txinbox-retry` + 1, `expiration` = `after` in ms, persistent) is published to the retry queue with a publisher confirm, then the original is acked; when the copy expires the retry queue dead-letters it back to the work queue. A copy whose headers would not fit in a frame: the original is requeued (`basic.nack`) after `after` instead |
 /// | `DeadLetter` | a copy with `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue` (persistent, no expiration) is published to the dead-letter queue with a publisher confirm, then the original is acked. Made to fit: without the original headers if they would not fit in a frame beside these, without the payload if the broker refuses its size (see [`headers::HEADERS`]) |
 ///
@@ -37,11 +38,17 @@ use crate::telemetry;
 /// the original is requeued after a delay so it neither hot-loops nor sits unacknowledged.
 /// Copies never carry the original `user_id` (RabbitMQ would refuse a `user_id` other than the
 /// publishing connection's user) nor `cluster_id`.
+///
+/// Acks are coalesced per channel: `settle` marks the delivery tag settled and returns once the
+/// `basic.ack` that covers it was handed to the connection. A run of settled tags from the
+/// lowest unacknowledged one up goes out as one `basic.ack(multiple = true)`; a settled tag
+/// behind one that is not settled yet waits at most 20 ms, then is acked alone. A delivery
+/// dropped unsettled, or one being copied or requeued, is never covered by a multiple ack: it
+/// stays unacknowledged and is redelivered when its channel closes.
 pub struct AmqpDelivery {
     message: Message,
     lane: Lane,
     properties: BasicProperties,
-    acker: Acker,
     delivery_tag: u64,
     generation: Arc<Generation>,
     shared: Arc<Shared>,
@@ -69,11 +76,19 @@ impl AmqpDelivery {
         if let Some(id) = d.properties.message_id() {
             message = message.with_native_id(id.as_str());
         }
+        // lapin numbers a channel's deliveries in order; a tag out of order would be a lapin or
+        // broker bug. Such a delivery is never acked (its settlements fail) and is redelivered.
+        if !generation.acks.receive(d.delivery_tag) {
+            tracing::error!(
+                queue = %shared.queue,
+                delivery_tag = d.delivery_tag,
+                "a delivery tag not above the channel's last one; it will not be acknowledged"
+            );
+        }
         AmqpDelivery {
             message,
             lane,
             properties: d.properties,
-            acker: d.acker,
             delivery_tag: d.delivery_tag,
             generation,
             shared,
@@ -102,6 +117,8 @@ impl AmqpDelivery {
         ))
     }
 
+    /// Settles the delivery as an ack and waits until the `basic.ack` that covers it (coalesced
+    /// with its neighbours', see [`crate::acks`]) was handed to the connection.
     async fn ack(&self) -> Result<(), SettleError> {
         let not_sent = |cause: &'static str| {
             self.shared
@@ -112,27 +129,22 @@ impl AmqpDelivery {
             not_sent("stale_channel");
             return Err(self.stale("basic.ack", "the channel was lost"));
         }
-        let sent = tokio::time::timeout(
-            self.shared.publish_timeout,
-            self.acker.ack(BasicAckOptions { multiple: false }),
-        )
-        .await;
-        match sent {
-            Ok(Ok(true)) => Ok(()),
-            Ok(Ok(false)) => {
-                not_sent("not_sent");
+        match self.generation.acks.ack(self.delivery_tag).await {
+            Ok(()) => Ok(()),
+            Err(NotSent::Lost) => {
+                not_sent("stale_channel");
                 Err(self.stale(
                     "basic.ack",
-                    "lapin sent nothing (the channel is closed or the delivery was already settled)",
+                    "the channel was lost (or the source closed) before the ack went out",
                 ))
             }
-            Ok(Err(e)) => {
+            Err(NotSent::Error(e)) => {
                 not_sent("error");
                 Err(SettleError::new(format!(
                     "basic.ack failed: {e}; the broker redelivers the message and the inbox deduplicates it"
                 )))
             }
-            Err(_) => {
+            Err(NotSent::Timeout) => {
                 not_sent("timeout");
                 Err(self.stale("basic.ack", "timed out (publish_timeout)"))
             }
@@ -188,9 +200,10 @@ impl AmqpDelivery {
     }
 
     /// Gives the original back to the queue after `delay`, unless its channel is gone by then
-    /// (then the broker has requeued it already).
+    /// (then the broker has requeued it already). Until then its tag stays unacknowledged: no
+    /// coalesced ack passes it before the nack went out.
     fn requeue_later(&self, delay: Duration) {
-        let acker = self.acker.clone();
+        let tag = self.delivery_tag;
         let generation = self.generation.clone();
         let shared = self.shared.clone();
         tokio::spawn(async move {
@@ -198,11 +211,11 @@ impl AmqpDelivery {
             if !generation.alive() {
                 return;
             }
-            let nack = acker.nack(BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            });
-            if let Ok(Ok(true)) = tokio::time::timeout(shared.publish_timeout, nack).await {
+            let nacked = generation
+                .acks
+                .nack_requeue(&generation.channel, tag, shared.publish_timeout)
+                .await;
+            if nacked {
                 shared.counter(telemetry::REQUEUED, &[]).increment(1);
             }
         });
@@ -359,6 +372,14 @@ impl AmqpDelivery {
                 }
             }
         }
+    }
+}
+
+/// Dropped unsettled (or after a settlement that did not ack it): its tag stays unacknowledged,
+/// and acks of later deliveries stop waiting for it (they go out alone, never covering it).
+impl Drop for AmqpDelivery {
+    fn drop(&mut self) {
+        self.generation.acks.abandon(self.delivery_tag);
     }
 }
 

@@ -45,12 +45,13 @@
 //!
 //! | situation | RabbitMQ |
 //! |---|---|
-//! | processed, or a duplicate | `basic.ack` (never `multiple`), on the delivery's own channel |
+//! | processed, or a duplicate | `basic.ack` on the delivery's own channel, coalesced: `multiple` for a run of settled deliveries, never past one that is not settled (see [`AmqpDelivery`]) |
 //! | transient failure | a copy goes to `<queue>.retry` with `expiration` = the retry delay, confirmed, then the original is acked; on expiry the retry queue (a quorum queue, [`retry_queue_arguments`]) dead-letters the copy back to the work queue, at least once. Attempts are counted in the inbox database, not in `x-delivery-count` |
 //! | permanent failure, attempts exhausted, conflict, undecodable, no message ID | a copy goes to `<queue>.dlq` with [`headers`] `x-txinbox-reason`, `x-txinbox-error`, `x-txinbox-original-queue`, confirmed, then the original is acked; without the original headers if they would not fit in a frame beside these ([`headers::HEADERS`]), without the payload if the broker refuses its size ([`headers::PAYLOAD`]) |
 //! | the ack (or a copy) does not reach the broker | `settle` fails; the message is redelivered and the inbox deduplicates it |
 //! | connection or channel lost, server `basic.cancel` | the supervisor reconnects with backoff, re-declares the topology, re-applies `basic.qos`, consumes again; deliveries of the old channel are never acked on the new one |
-//! | a delivery dropped unsettled | nothing is sent; redelivered when its channel closes |
+//! | a delivery dropped unsettled | nothing is sent, and no `multiple` ack covers it; redelivered when its channel closes |
+//! | the channel lost with settled acks not yet sent | those `settle` calls fail; the messages are redelivered and the inbox skips them as duplicates |
 //!
 //! Dead-lettering publishes with confirms rather than rejecting to a dead-letter exchange: a
 //! classic queue's dead-lettering is at-most-once and cannot add the reason headers.
@@ -132,6 +133,7 @@
 // is what the root and its public modules show (tests, tools and binaries have none).
 #![warn(unreachable_pub)]
 
+mod acks;
 mod config;
 mod confirm;
 mod delivery;
@@ -143,6 +145,7 @@ mod shared;
 mod source;
 pub mod telemetry;
 mod tls;
+mod tracker;
 
 pub use config::{
     retry_queue_arguments, AmqpConfig, QueueType, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DELIVERY_LIMIT,

@@ -9,6 +9,8 @@ use std::time::Duration;
 use lapin::types::ShortString;
 use lapin::{Channel, Connection};
 
+use crate::acks::Acks;
+
 /// State shared by the source, its supervisor and every delivery.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -85,6 +87,9 @@ pub(crate) struct Generation {
     /// confirm completes next, not with its own publish, so with several copies in flight an
     /// unroutable copy could be taken as confirmed and its original acked: one at a time.
     pub(crate) copies: tokio::sync::Mutex<Option<Channel>>,
+    /// The channel's acknowledgements, coalesced; sent by the flusher task
+    /// ([`acks::flush`](crate::acks::flush)) started with the generation.
+    pub(crate) acks: Arc<Acks>,
 }
 
 impl Generation {
@@ -96,6 +101,7 @@ impl Generation {
             frame_max: connection.configuration().frame_max(),
             connection: Arc::downgrade(connection),
             copies: tokio::sync::Mutex::new(None),
+            acks: Arc::new(Acks::new()),
         }
     }
 

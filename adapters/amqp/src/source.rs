@@ -18,6 +18,7 @@ use txinbox::{
     async_trait, source::Capabilities, source::RetryMode, source::SourceError, IdStrategy, MessageSource,
 };
 
+use crate::acks::{self, Ending};
 use crate::config::{AmqpConfig, QueueType};
 use crate::delivery::AmqpDelivery;
 use crate::error::AmqpError;
@@ -39,8 +40,10 @@ const MISSING_QUEUE_RECHECK: Duration = Duration::from_secs(10);
 ///
 /// - [`receive`](MessageSource::receive) is cancellation safe: deliveries arrive through a
 ///   channel fed by a supervisor task, and leave it only when returned.
-/// - Acks are single (`multiple = false`), sent only when the runtime settles after its
-///   commit, and only on the channel the delivery came from.
+/// - Acks are sent only when the runtime settles after its commit, and only on the channel the
+///   delivery came from, coalesced: one `basic.ack(multiple = true)` for a run of settled
+///   deliveries, never covering one that is not settled (see [`AmqpDelivery`]). Closing sends
+///   every settled ack before the channel closes.
 /// - The supervisor rebuilds connection, channel, topology, QoS and consumer with backoff after
 ///   any loss (connection closed or dropped, channel error, server `basic.cancel`). Deliveries
 ///   of the lost channel can no longer be acked: the broker redelivers them and the inbox turns
@@ -174,6 +177,8 @@ impl MessageSource for AmqpSource {
 
 struct Session {
     conn: Arc<Connection>,
+    /// The task sending the generation's coalesced acks ([`acks::flush`]).
+    flusher: JoinHandle<()>,
     /// A channel of its own for reading the queue depth: a failed passive declare closes its
     /// channel, which must not be the consuming one.
     depth: Channel,
@@ -202,6 +207,16 @@ impl Supervisor {
         let mut quick_losses = 0u32;
         loop {
             let end = self.serve(&mut session).await;
+            if let End::Shutdown = end {
+                // Every settled ack goes out before the channel closes.
+                session.generation.acks.end(Ending::Drain);
+                if tokio::time::timeout(CLOSE_TIMEOUT, &mut session.flusher)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(queue = %self.shared.queue, "sending the last acks timed out; those messages will be redelivered and deduplicated");
+                }
+            }
             self.went_down(&session);
             let reason = match end {
                 End::Shutdown => {
@@ -341,6 +356,9 @@ impl Supervisor {
 
     fn went_down(&self, session: &Session) {
         session.generation.alive.store(false, Ordering::SeqCst);
+        // Acks settled and not yet sent are lost with the channel: those messages are
+        // redelivered and the inbox skips them as duplicates.
+        session.generation.acks.end(Ending::Lost);
         self.shared.monitor.inner.connected.store(false, Ordering::SeqCst);
         metrics::gauge!(telemetry::CONNECTED, "queue" => self.shared.queue.to_string()).set(0.0);
         if let Some(health) = self.shared.health.get() {
@@ -398,8 +416,15 @@ impl Supervisor {
             }
         };
         let conn = Arc::new(conn);
+        let generation = Arc::new(Generation::new(generation, &conn, channel));
+        let flusher = tokio::spawn(acks::flush(
+            generation.acks.clone(),
+            generation.channel.clone(),
+            c.publish_timeout,
+        ));
         Ok(Session {
-            generation: Arc::new(Generation::new(generation, &conn, channel)),
+            generation,
+            flusher,
             conn,
             depth,
             consumer,

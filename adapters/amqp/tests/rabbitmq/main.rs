@@ -6,6 +6,7 @@
 //! `postgres://postgres@127.0.0.1:5432/postgres`, a role that may create databases) and
 //! `rabbitmqctl` as root for the fault-injection tests; `scripts/test` provides them.
 
+mod acks;
 mod health;
 mod quorum;
 mod support;
