@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::retention::Retention;
 use super::shared::{Shared, CONTENTION_COOLDOWN};
 use super::Consumer;
 use crate::error::Error;
@@ -43,6 +44,7 @@ pub const DEFAULT_BATCH_LINGER: Duration = Duration::ZERO;
 #[must_use = "a builder does nothing until .build()"]
 pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     name: String,
+    retention: Option<Retention>,
     source: Src,
     inbox: St,
     handler: H,
@@ -66,6 +68,7 @@ impl Consumer<(), (), ()> {
     pub fn builder(name: impl Into<String>) -> ConsumerBuilder {
         ConsumerBuilder {
             name: name.into(),
+            retention: None,
             source: (),
             inbox: (),
             handler: (),
@@ -87,6 +90,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn source<S2: MessageSource>(self, source: S2) -> ConsumerBuilder<S2, St, H> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source,
             inbox: self.inbox,
             handler: self.handler,
@@ -106,6 +110,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn inbox<S2: InboxStore>(self, inbox: S2) -> ConsumerBuilder<Src, S2, H> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source: self.source,
             inbox,
             handler: self.handler,
@@ -125,6 +130,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn handler<H2>(self, handler: H2) -> ConsumerBuilder<Src, St, H2> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source: self.source,
             inbox: self.inbox,
             handler,
@@ -216,6 +222,18 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
         self.dead_letter_payload_limit = Some(n);
         self
     }
+
+    /// Purges the inbox while the consumer runs: terminal rows older than the window are
+    /// deleted in small batches by a task that starts and stops with the consumer (see
+    /// [`Retention`] and [`janitor`](crate::janitor)). Off by default: an ID purged no longer
+    /// deduplicates, so the window is a decision about the broker's retention and redelivery
+    /// horizon that only the application can make; `txinbox purge` does the same on demand.
+    /// A window under the dedup window (7 days) is refused by [`build`](Self::build) unless
+    /// [`Retention::force`]d. Needs one of txinbox's stores.
+    pub fn retention(mut self, retention: impl Into<Retention>) -> Self {
+        self.retention = Some(retention.into());
+        self
+    }
 }
 
 impl<Src, St, H> ConsumerBuilder<Src, St, H>
@@ -257,6 +275,10 @@ where
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
+        let janitor = match self.retention {
+            Some(retention) => Some(retention.janitor(&self.name, &self.inbox)?),
+            None => None,
+        };
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
         let health = Arc::new(health::State::new(name.clone()));
@@ -294,6 +316,7 @@ where
             source,
             max_in_flight: self.max_in_flight,
             shared,
+            janitor,
         })
     }
 }
