@@ -168,10 +168,15 @@ impl Janitor {
         self.schedule
     }
 
-    /// One pass: [`Sweep::start_pass`], then batches until one deletes fewer than the batch
-    /// size, pausing between them; then the oldest-row gauge. Stops early, between two batches,
-    /// once `stop` is cancelled. Returns how many rows it deleted.
-    pub async fn pass(&self, stop: &CancellationToken) -> Result<u64, sqlx::Error> {
+    /// One pass now: [`Sweep::start_pass`], then batches until one deletes fewer than the
+    /// batch size, pausing between them; then the oldest-row gauge. Returns how many rows it
+    /// deleted. What `txinbox purge`-like commands and tests call; [`run`](Self::run) repeats it.
+    pub async fn pass(&self) -> Result<u64, sqlx::Error> {
+        self.pass_until(&CancellationToken::new()).await
+    }
+
+    /// [`pass`](Self::pass), stopping early, between two batches, once `stop` is cancelled.
+    async fn pass_until(&self, stop: &CancellationToken) -> Result<u64, sqlx::Error> {
         if stop.is_cancelled() {
             return Ok(0);
         }
@@ -204,9 +209,9 @@ impl Janitor {
 
     /// Runs a pass now and then every [`Schedule::interval`] until `stop` is cancelled (see
     /// [Stopping](self#stopping)). A failed pass is logged and tried again after the interval.
-    pub async fn run(self, stop: CancellationToken) {
+    pub async fn run(&self, stop: CancellationToken) {
         loop {
-            match self.pass(&stop).await {
+            match self.pass_until(&stop).await {
                 Ok(0) => {}
                 Ok(deleted) => tracing::debug!(janitor = %self.what, deleted, "retention pass done"),
                 Err(e) if crate::store::is_unavailable(&e) => {
@@ -226,9 +231,10 @@ impl Janitor {
 
     /// [`run`](Self::run) on a task of its own, stopped and awaited by the returned
     /// [`Running`] (or aborted when it is dropped).
-    pub fn spawn(self) -> Running {
+    pub fn spawn(self: std::sync::Arc<Self>) -> Running {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(self.run(stop.clone()));
+        let token = stop.clone();
+        let task = tokio::spawn(async move { self.run(token).await });
         Running {
             stop,
             task: Some(task),

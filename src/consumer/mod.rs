@@ -133,7 +133,7 @@ where
         } = self;
         // Retention runs beside the consumer, on its own connections, and stops with it (below);
         // dropped with this future, it is aborted.
-        let janitor = janitor.map(crate::janitor::Janitor::spawn);
+        let janitor = janitor.map(|j| Arc::new(j).spawn());
         shared.health.set_running(true);
         let _stopped = StoppedOnDrop(shared.health.clone());
         let gauges = tokio::spawn(refresh_gauges(

@@ -115,4 +115,4 @@ pub use layer::{
 };
 pub use problem::{Problem, PROBLEM_TYPE_PREFIX};
 pub use service::{Idempotency, IDEMPOTENT_REPLAYED_BODY};
-pub use store::{purge_expired, Backend};
+pub use store::{janitor, purge_expired, Backend, IdempotencySweep};
