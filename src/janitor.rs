@@ -198,11 +198,10 @@ impl Janitor {
             }
         }
         match self.sweep.oldest_age().await {
-            Ok(age) => self
-                .metrics
-                .oldest_age
-                .set(age.unwrap_or_default().as_secs_f64()),
-            Err(e) => tracing::debug!(janitor = %self.what, error = %e, "reading the oldest row's age failed"),
+            Ok(age) => self.metrics.oldest_age.set(age.unwrap_or_default().as_secs_f64()),
+            Err(e) => {
+                tracing::debug!(janitor = %self.what, error = %e, "reading the oldest row's age failed")
+            }
         }
         Ok(total)
     }

@@ -31,7 +31,11 @@ use txinbox::{async_trait, sqlx, Consumer, Context, Handler, HandlerError, Messa
 #[derive(Parser, Debug)]
 struct Args {
     /// A database of its own: it is filled and emptied.
-    #[arg(long, env = "RETENTION_BENCH_URL", default_value = "postgres://postgres@127.0.0.1:5432/txinbox_retention_bench")]
+    #[arg(
+        long,
+        env = "RETENTION_BENCH_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/txinbox_retention_bench"
+    )]
     url: String,
     /// Inbox rows before the run, spread evenly over 8 days (1/8 older than the 7-day window).
     #[arg(long, default_value_t = 10_000_000)]
@@ -205,14 +209,18 @@ async fn main() -> anyhow::Result<()> {
         .connect_with(txinbox::PostgresInbox::connect_options(args.url.parse()?))
         .await?;
     txinbox::postgres::migrate(&pool).await?;
-    pool.execute("CREATE TABLE IF NOT EXISTS bench_effects (message_id text NOT NULL, bytes bigint NOT NULL)")
-        .await?;
+    pool.execute(
+        "CREATE TABLE IF NOT EXISTS bench_effects (message_id text NOT NULL, bytes bigint NOT NULL)",
+    )
+    .await?;
     let bench = Bench {
         args,
         pool,
         batches: Arc::default(),
     };
-    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum").fetch_one(&bench.pool).await?;
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+        .fetch_one(&bench.pool)
+        .await?;
     println!(
         "retention bench: {} rows over 8 days, window 7d, {} messages per round, janitor batch {} pause {} ms (autovacuum {autovacuum})",
         bench.args.rows, bench.args.messages, bench.args.batch, bench.args.pause_ms
@@ -248,7 +256,10 @@ async fn main() -> anyhow::Result<()> {
     println!("rows older than the window: {due}");
     bench.sizes("before").await?;
 
-    println!("\n{:<10} {:>10} {:>10} {:>14} {:>12}", "janitor", "msg/s", "seconds", "rows deleted", "deleted/s");
+    println!(
+        "\n{:<10} {:>10} {:>10} {:>14} {:>12}",
+        "janitor", "msg/s", "seconds", "rows deleted", "deleted/s"
+    );
     let mut by_setting: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for r in 0..bench.args.rounds {
         for on in [false, true] {

@@ -40,12 +40,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 pub use builder::ConsumerBuilder;
-pub use retention::Retention;
 pub use builder::{
     DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_MESSAGE_BYTES,
 };
 use intake::{intake, refresh_gauges};
+pub use retention::Retention;
 use scheduler::{Linger, Scheduler};
 use shared::Shared;
 

@@ -68,8 +68,9 @@ impl Retention {
     pub(super) fn janitor<St: InboxStore>(self, consumer: &str, store: &St) -> Result<Janitor, Error> {
         #[cfg(feature = "postgres")]
         {
-            let warnings = crate::ops::retention::check_window(self.window, self.force, self.broker_retention)
-                .map_err(|e| Error::Config(format!("{e} (Retention::force)")))?;
+            let warnings =
+                crate::ops::retention::check_window(self.window, self.force, self.broker_retention)
+                    .map_err(|e| Error::Config(format!("{e} (Retention::force)")))?;
             for warning in warnings {
                 tracing::warn!(%consumer, %warning, "inbox retention");
             }
@@ -86,7 +87,8 @@ impl Retention {
         {
             let _ = (consumer, store);
             Err(Error::Config(
-                "retention needs txinbox's `postgres` feature (its purge statements live in txinbox::ops)".into(),
+                "retention needs txinbox's `postgres` feature (its purge statements live in txinbox::ops)"
+                    .into(),
             ))
         }
     }

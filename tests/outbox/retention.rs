@@ -84,19 +84,25 @@ async fn retention_removes_only_old_published_rows_and_gauges_report_the_backlog
             .collect();
         assert!(
             !key.key().name().starts_with("txinbox_retention_")
-                || labels.contains(&("table".into(), "outbox".into())) && labels.iter().any(|(k, _)| k == "relay"),
+                || labels.contains(&("table".into(), "outbox".into()))
+                    && labels.iter().any(|(k, _)| k == "relay"),
             "{key:?}"
         );
         match (key.key().name(), value) {
             ("txinbox_retention_deleted_total", DebugValue::Counter(c)) => deleted += c,
             ("txinbox_retention_batch_duration_seconds", DebugValue::Histogram(h)) => deletes += h.len(),
-            ("txinbox_retention_oldest_row_age_seconds", DebugValue::Gauge(g)) => oldest = Some(g.into_inner()),
+            ("txinbox_retention_oldest_row_age_seconds", DebugValue::Gauge(g)) => {
+                oldest = Some(g.into_inner())
+            }
             _ => {}
         }
     }
     assert_eq!((deleted, deletes), (10, 3), "10 rows in 3 DELETEs");
     let oldest = oldest.expect("the oldest published row's age is reported");
-    assert!((0.0..3600.0).contains(&oldest), "the kept rows were published just now: {oldest}");
+    assert!(
+        (0.0..3600.0).contains(&oldest),
+        "the kept rows were published just now: {oldest}"
+    );
 }
 
 #[tokio::test]

@@ -113,8 +113,16 @@ async fn retention_deletes_old_rows_keeps_the_rest_and_kept_rows_still_deduplica
         .unwrap();
 
     assert_eq!(rows_like(&db, name, "new-%").await, 10, "recent rows are kept");
-    assert_eq!(rows_like(&db, name, "old-%").await, 1, "only the retrying one is kept");
-    assert_eq!(rows_like(&db, name, "pinned-%").await, 3, "rows at or after a stored position are kept");
+    assert_eq!(
+        rows_like(&db, name, "old-%").await,
+        1,
+        "only the retrying one is kept"
+    );
+    assert_eq!(
+        rows_like(&db, name, "pinned-%").await,
+        3,
+        "rows at or after a stored position are kept"
+    );
     assert_eq!(
         db.balance("alice").await,
         10,
@@ -122,11 +130,18 @@ async fn retention_deletes_old_rows_keeps_the_rest_and_kept_rows_still_deduplica
     );
     assert_eq!(counter(txinbox::telemetry::DUPLICATES, name, None), 1);
     assert_eq!(
-        counter(txinbox::telemetry::RETENTION_DELETED, name, Some(("table", "inbox"))),
+        counter(
+            txinbox::telemetry::RETENTION_DELETED,
+            name,
+            Some(("table", "inbox"))
+        ),
         249
     );
     let horizon = txinbox::ops::retention::horizon(&db.pool, name).await.unwrap();
-    assert!(horizon.is_some(), "the horizon is recorded, so replay knows what is gone");
+    assert!(
+        horizon.is_some(),
+        "the horizon is recorded, so replay knows what is gone"
+    );
 }
 
 /// The guard `txinbox purge` applies: a window inside the dedup window (7 days) is refused
@@ -204,14 +219,20 @@ async fn retention_commits_batch_by_batch_and_stops_with_the_consumer() {
         if left <= total - 500 {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "no progress: {seen:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no progress: {seen:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(
         seen.len() >= 4 && seen.iter().all(|n| (total - n) % 100 == 0),
         "the count falls one committed batch of 100 at a time: {seen:?}"
     );
-    assert_eq!(idle_in_transaction, 0, "no transaction is held open between statements or batches");
+    assert_eq!(
+        idle_in_transaction, 0,
+        "no transaction is held open between statements or batches"
+    );
 
     stop.send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(5), run)

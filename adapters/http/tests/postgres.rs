@@ -721,12 +721,11 @@ async fn the_janitor_deletes_expired_records_on_its_schedule_and_stops() {
     assert_eq!(s, StatusCode::CREATED);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(records(&pool).await, 2, "a stopped janitor deletes nothing");
-    let live: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM txinbox.http_idempotency WHERE idempotency_key = 'live'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM txinbox.http_idempotency WHERE idempotency_key = 'live'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!(live, 1, "a live record stays");
 }
 

@@ -594,8 +594,8 @@ where
         .expect("retention_pool: the store supports the consumer's retention");
     // Partition 1 of "orders", offsets chosen: the stored position is 10.
     let at = |id: &str, offset: i64| {
-        let msg = Message::new(format!("p-{id}"), Origin::new("memory", "orders").at(1, offset))
-            .with_native_id(id);
+        let msg =
+            Message::new(format!("p-{id}"), Origin::new("memory", "orders").at(1, offset)).with_native_id(id);
         let id = IdStrategy::Native.derive(&msg).unwrap();
         let fp = txinbox::message::Fingerprint::PayloadBytes.of(&msg);
         Keyed { msg, id, fp }
@@ -614,8 +614,14 @@ where
         attempts: 1,
         payload_limit: 1 << 20,
     };
-    assert_eq!(store.dead_letter(&record).await.unwrap(), DeadLetterOutcome::Recorded);
-    assert_eq!(store.record_failure(&retrying.entry(c), "once").await.unwrap(), Some(1));
+    assert_eq!(
+        store.dead_letter(&record).await.unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        store.record_failure(&retrying.entry(c), "once").await.unwrap(),
+        Some(1)
+    );
     let mut tx = store.begin().await.unwrap();
     let position = Position {
         source: "orders".into(),
@@ -626,7 +632,10 @@ where
     store.commit(tx).await.unwrap();
     // Everything above is older than the window; `fresh` is not.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(claim(&*store, &fresh.entry(c), true).await, Claim::New { attempt: 1 });
+    assert_eq!(
+        claim(&*store, &fresh.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
 
     let schedule = Schedule {
         batch: 2,
@@ -641,11 +650,17 @@ where
         "the processed and dead-lettered rows before the position, in batches of 2"
     );
     assert_eq!(janitor.pass().await.unwrap(), 0, "nothing left to delete");
-    assert!(horizon(pool.db(), c).await.unwrap().is_some(), "the horizon is recorded");
+    assert!(
+        horizon(pool.db(), c).await.unwrap().is_some(),
+        "the horizon is recorded"
+    );
 
     // A deleted ID is new again; kept ones are what they were.
     for k in [&old1, &dead] {
-        assert_eq!(claim(&*store, &k.entry(c), false).await, Claim::New { attempt: 1 });
+        assert_eq!(
+            claim(&*store, &k.entry(c), false).await,
+            Claim::New { attempt: 1 }
+        );
     }
     assert_eq!(
         claim(&*store, &pinned.entry(c), false).await,
