@@ -99,7 +99,8 @@ use listen::{notified, read_queued, Listener};
 ///
 /// A running relay holds two connections of its pool: the listener's, and the round's
 /// transaction (held while publishing: a round starts no publish after `publish_timeout`, and
-/// each publish is bounded by it, so at most about twice that).
+/// each publish is bounded by it, so at most about twice that). Retention takes a third for
+/// each of its `DELETE`s (a statement of its own, no transaction held between them).
 ///
 /// # SQLite
 ///
