@@ -43,8 +43,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::consumer::{
-    ConsumerBuilder, DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_MAX_MESSAGE_BYTES,
+    ConsumerBuilder, DEFAULT_BATCH_LINGER, DEFAULT_BATCH_MAX_DURATION, DEFAULT_BATCH_SIZE,
+    DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
 use crate::message::{Fingerprint, IdStrategy};
 use crate::retry::RetryPolicy;
@@ -202,6 +202,9 @@ pub struct ConsumerSettings {
     /// [`ConsumerBuilder::batch_linger`] (`"5ms"`).
     #[serde(with = "duration")]
     pub batch_linger: Duration,
+    /// [`ConsumerBuilder::batch_max_duration`] (`"50ms"`); unset: none.
+    #[serde(with = "duration::option")]
+    pub batch_max_duration: Option<Duration>,
     /// [`ConsumerBuilder::max_message_bytes`].
     pub max_message_bytes: usize,
     /// [`ConsumerBuilder::dead_letter_payload_limit`]; unset: `max_message_bytes`.
@@ -224,6 +227,7 @@ impl Default for ConsumerSettings {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_linger: DEFAULT_BATCH_LINGER,
+            batch_max_duration: DEFAULT_BATCH_MAX_DURATION,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             dead_letter_payload_limit: None,
             retry: RetrySettings::default(),
@@ -248,6 +252,9 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             .fingerprint(settings.fingerprint);
         if let Some(n) = settings.dead_letter_payload_limit {
             builder = builder.dead_letter_payload_limit(n);
+        }
+        if let Some(max) = settings.batch_max_duration {
+            builder = builder.batch_max_duration(max);
         }
         if let Some(strategy) = &settings.id_strategy {
             builder = builder.id_strategy(strategy.clone());
@@ -539,6 +546,7 @@ mod tests {
             max_in_flight = 800
             batch_size = 50
             batch_linger = "5ms"
+            batch_max_duration = "50ms"
             max_message_bytes = 65536
             dead_letter_payload_limit = 4096
             retry = { max_attempts = 5, initial_delay = "100ms", max_delay = "30s" }
@@ -565,6 +573,7 @@ mod tests {
                 .max_in_flight(800)
                 .batch_size(50)
                 .batch_linger(Duration::from_millis(5))
+                .batch_max_duration(Duration::from_millis(50))
                 .max_message_bytes(65536)
                 .dead_letter_payload_limit(4096)
                 .retry_policy(s.retry.apply(RetryPolicy::default()))

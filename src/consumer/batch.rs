@@ -157,6 +157,11 @@ where
             match trip {
                 Trip::Committed(claims) => {
                     self.batch_contended(false);
+                    // A batch bounded by its duration committed the messages it took; the rest
+                    // run next, in lane order.
+                    for item in batch.split_off(claims.len()).into_iter().rev() {
+                        queue.push_front(item);
+                    }
                     let settlements = batch.into_iter().zip(claims).map(|(item, claim)| {
                         let verdict = match claim {
                             Claim::New { attempt } => Verdict::Processed(attempt),
@@ -207,14 +212,27 @@ where
         .await
     }
 
-    /// One batch transaction: claim all, record duplicates, run the handlers of the new ones,
+    /// One batch transaction: claim, record duplicates, run the handlers of the new ones,
     /// confirm, store the positions, COMMIT. `Err` only before any handler ran.
+    ///
+    /// With [`batch_max_duration`](super::ConsumerBuilder::batch_max_duration) and a
+    /// per-message handler, the batch is claimed in chunks, each sized to fit the time left
+    /// at the handlers' recent pace ([`Shared::chunk_for`]); once the duration has passed no
+    /// further chunk is claimed, and the transaction commits the messages it took. The
+    /// committed claims may then be fewer than `batch`: the caller runs the rest next.
     async fn batch_attempt<D: Delivery>(&self, batch: &[Item<D>]) -> Result<Trip, StoreError> {
         let store = &self.store;
         let entries: Vec<Entry<'_>> = batch.iter().map(|i| i.entry(&self.name)).collect();
+        // A batch handler takes the batch in one call: there is nothing between handlers to stop at.
+        let bounded = self.batch_max_duration.filter(|_| self.handler.batch().is_none());
+        let started = Instant::now();
         // NOTE: as in `attempt`, BEGIN and COMMIT are never raced against a timer (sqlx #4393).
         let mut tx = store.begin().await?;
-        let claims = store.claim_batch(&mut *tx, &entries).await?;
+        let first = match bounded {
+            Some(max) => self.chunk_for(max, batch.len()),
+            None => batch.len(),
+        };
+        let mut claims = store.claim_batch(&mut *tx, &entries[..first]).await?;
         // Conflicts, redelivered dead letters and undecidable repeats of a key take the
         // one-message path, which records and settles them before anything after them commits.
         let needs_alone =
@@ -237,30 +255,36 @@ where
         }
 
         let mut tx = TrackedTransaction::new(tx);
-        if !new.is_empty() {
-            if let Some(handler) = self.handler.batch() {
-                let messages: Vec<BatchMessage<'_>> = new
-                    .iter()
-                    .map(|&(i, attempt)| BatchMessage {
-                        message: batch[i].delivery.message(),
-                        id: entries[i].id,
-                        attempt,
-                        span: &batch[i].span,
-                    })
-                    .collect();
-                let mut cx = BatchContext {
-                    conn: &mut tx,
-                    consumer: &self.name,
-                };
-                // One duration sample per call: for a batch handler, the whole batch.
-                if let Err(error) = run_handler(self, handler.handle_batch(&mut cx, &messages)).await {
-                    drop(tx.rollback().await);
-                    let contended = error.is_contention();
-                    tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
-                    return Ok(Trip::Unknown(contended));
-                }
-            } else {
-                for &(i, attempt) in &new {
+        if let Some(handler) = self.handler.batch().filter(|_| !new.is_empty()) {
+            let messages: Vec<BatchMessage<'_>> = new
+                .iter()
+                .map(|&(i, attempt)| BatchMessage {
+                    message: batch[i].delivery.message(),
+                    id: entries[i].id,
+                    attempt,
+                    span: &batch[i].span,
+                })
+                .collect();
+            let mut cx = BatchContext {
+                conn: &mut tx,
+                consumer: &self.name,
+            };
+            // One duration sample per call: for a batch handler, the whole batch.
+            if let Err(error) = run_handler(self, handler.handle_batch(&mut cx, &messages)).await {
+                drop(tx.rollback().await);
+                let contended = error.is_contention();
+                tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
+                return Ok(Trip::Unknown(contended));
+            }
+        } else {
+            // Handlers run one after another; `next` is the next of `new` to run. Unbounded,
+            // `new` holds the whole batch's and the loop runs once.
+            let (mut next, mut handler_time, mut calls) = (0, std::time::Duration::ZERO, 0u32);
+            loop {
+                while next < new.len() {
+                    let (i, attempt) = new[next];
+                    next += 1;
+                    let call_started = Instant::now();
                     let item = &batch[i];
                     let mut cx = Context {
                         conn: &mut tx,
@@ -291,7 +315,47 @@ where
                         drop(tx.rollback().await);
                         return Ok(Trip::Cut(i, false));
                     }
+                    handler_time += call_started.elapsed();
+                    calls += 1;
                 }
+                let Some(max) = bounded else { break };
+                self.note_handler_pace(handler_time, calls);
+                let taken = claims.len();
+                let elapsed = started.elapsed();
+                if taken == batch.len() || elapsed >= max {
+                    break;
+                }
+                // The duration has not passed: the next chunk, sized to the time left.
+                let n = self.chunk_for(max - elapsed, batch.len() - taken);
+                let more = match store.claim_batch(&mut *tx, &entries[taken..taken + n]).await {
+                    Ok(more) => more,
+                    Err(e) => {
+                        // Handlers have run: not an `Err` (which would retry the whole
+                        // attempt as if nothing had), but each message alone.
+                        drop(tx.rollback().await);
+                        tracing::info!(error = %e, size = batch.len(), "claiming a batch's next chunk failed; each message runs alone");
+                        return Ok(Trip::Unknown(e.is_contention()));
+                    }
+                };
+                if let Some(k) = more.iter().position(needs_alone) {
+                    drop(tx.rollback().await);
+                    return Ok(Trip::Cut(taken + k, false));
+                }
+                let mut duplicates = Vec::new();
+                for (j, claim) in more.iter().enumerate() {
+                    match *claim {
+                        Claim::New { attempt } => new.push((taken + j, attempt)),
+                        _ => duplicates.push(entries[taken + j]),
+                    }
+                }
+                if !duplicates.is_empty() {
+                    if let Err(e) = store.record_duplicates(&mut *tx, &duplicates).await {
+                        drop(tx.rollback().await);
+                        tracing::info!(error = %e, "recording a batch's duplicates failed; each message runs alone");
+                        return Ok(Trip::Unknown(e.is_contention()));
+                    }
+                }
+                claims.extend(more);
             }
         }
         if new.len() >= 2 {
@@ -325,7 +389,7 @@ where
         // One position per source lane: the last of the batch (every item here is processed or a
         // duplicate, both of which move the position).
         let mut positions: Vec<Position> = Vec::new();
-        for item in batch {
+        for item in &batch[..claims.len()] {
             if let Some(p) = item.delivery.position() {
                 match positions
                     .iter_mut()

@@ -39,6 +39,10 @@ pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// Default for [`ConsumerBuilder::batch_linger`]: zero, a batch is what is already queued.
 pub const DEFAULT_BATCH_LINGER: Duration = Duration::ZERO;
 
+/// Default for [`ConsumerBuilder::batch_max_duration`]: none, a batch takes up to
+/// [`batch_size`](ConsumerBuilder::batch_size) messages however long their handlers take.
+pub const DEFAULT_BATCH_MAX_DURATION: Option<Duration> = None;
+
 /// Configuration and wiring for a [`Consumer`]; see [`Consumer::builder`].
 #[derive(Debug)]
 #[must_use = "a builder does nothing until .build()"]
@@ -57,6 +61,8 @@ pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     dead_letter_payload_limit: Option<usize>,
     batch_size: usize,
     batch_linger: Duration,
+    batch_max_duration: Option<Duration>,
+    track_lanes: bool,
 }
 
 impl Consumer<(), (), ()> {
@@ -81,6 +87,8 @@ impl Consumer<(), (), ()> {
             dead_letter_payload_limit: None,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_linger: DEFAULT_BATCH_LINGER,
+            batch_max_duration: DEFAULT_BATCH_MAX_DURATION,
+            track_lanes: true,
         }
     }
 }
@@ -103,6 +111,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
+            batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -123,6 +133,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
+            batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -143,6 +155,8 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
             dead_letter_payload_limit: self.dead_letter_payload_limit,
             batch_size: self.batch_size,
             batch_linger: self.batch_linger,
+            batch_max_duration: self.batch_max_duration,
+            track_lanes: self.track_lanes,
         }
     }
 
@@ -201,6 +215,39 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     /// while the previous transaction of the lane commits, and a lone message is never delayed.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
         self.batch_linger = linger;
+        self
+    }
+
+    /// How long a batch's transaction may run before it takes no more messages: for handlers
+    /// that wait on slow I/O, whose batches would otherwise hold a transaction, a connection
+    /// and every message's acknowledgement for `batch_size` handler runs. Default: none
+    /// ([`DEFAULT_BATCH_MAX_DURATION`]).
+    ///
+    /// The contract: a batch claims no message once this long has passed since its
+    /// transaction began; it commits the messages it took, and the lane's next transaction
+    /// takes the rest, in order. Messages are claimed in chunks sized to the time left at the
+    /// pace of the latest batch's handlers (one message while no pace is known), so a batch
+    /// runs past the duration by at most its last chunk, and by more only if its handlers
+    /// become slower than they were. Each chunk after the first costs one more claim
+    /// statement; with fast handlers the first chunk is the whole batch. A task also takes
+    /// from the queue only as many messages as the duration fits at that pace, so on the
+    /// unordered queue the rest start in other transactions beside it (up to
+    /// [`concurrency`](Self::concurrency)) instead of after it. It bounds batches of
+    /// a per-message [`Handler`]; a [`BatchHandler`](crate::handler::BatchHandler) receives
+    /// its batch in one call, which nothing interrupts.
+    pub fn batch_max_duration(mut self, max: Duration) -> Self {
+        self.batch_max_duration = Some(max);
+        self
+    }
+
+    /// Not part of the API: turns off the per-lane health tracking (what
+    /// [`HealthReport::lanes`](crate::health::HealthReport::lanes) and the lane gauges show,
+    /// one short lock when a delivery is received and one when it is settled), so that the
+    /// benchmark can measure what that tracking costs. A report then lists no lane and none
+    /// is ever stalled.
+    #[doc(hidden)]
+    pub fn untracked_lanes_for_benchmarks(mut self) -> Self {
+        self.track_lanes = false;
         self
     }
 
@@ -272,6 +319,11 @@ where
                 "batch_size must be at least 1 (1 turns micro-batching off)".into(),
             ));
         }
+        if self.batch_max_duration.is_some_and(|d| d.is_zero()) {
+            return Err(Error::Config(
+                "batch_max_duration must be more than zero (batch_size 1 turns micro-batching off)".into(),
+            ));
+        }
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
@@ -281,7 +333,7 @@ where
         };
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
-        let health = Arc::new(health::State::new(name.clone()));
+        let health = Arc::new(health::State::new(name.clone(), self.track_lanes));
         let shared = Arc::new(Shared {
             metrics: telemetry::Metrics::new(&name),
             name: name.clone(),
@@ -299,6 +351,8 @@ where
             contended_at: AtomicU64::new(0),
             started: std::time::Instant::now() - CONTENTION_COOLDOWN,
             batch_linger: self.batch_linger,
+            batch_max_duration: self.batch_max_duration,
+            handler_pace: AtomicU64::new(0),
             concurrency: Semaphore::new(self.concurrency),
             concurrency_limit: self.concurrency,
             full_batch: (self.max_in_flight / self.concurrency).max(1),

@@ -41,8 +41,8 @@ use tokio::task::JoinSet;
 
 pub use builder::ConsumerBuilder;
 pub use builder::{
-    DEFAULT_BATCH_LINGER, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_IN_FLIGHT,
-    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_BATCH_LINGER, DEFAULT_BATCH_MAX_DURATION, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY,
+    DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
 use intake::{intake, refresh_gauges};
 pub use retention::Retention;

@@ -83,7 +83,8 @@ impl<D: crate::source::Delivery> Scheduler<D> {
 
     /// Starts tasks for `key` while it has queued deliveries and room to run: one task at a time
     /// for an ordered lane, up to `concurrency` for the unordered queue. Each task takes up to
-    /// `batch_size` queued deliveries. Forgets a lane that has nothing queued or running.
+    /// [`batch_take`](Shared::batch_take) queued deliveries (`batch_size`, or what a
+    /// `batch_max_duration` fits). Forgets a lane that has nothing queued or running.
     pub(super) fn pump<St, H>(
         &mut self,
         key: &LaneKey,
@@ -102,7 +103,7 @@ impl<D: crate::source::Delivery> Scheduler<D> {
             shared.concurrency_limit
         };
         while lane.running < max_running && !lane.queue.is_empty() {
-            let limit = shared.batch_limit();
+            let limit = shared.batch_take();
             // The shared queue starts a second transaction only with a full batch, or after
             // FULL_BATCH_WAIT: a few messages each in several concurrent transactions cost the
             // database (and the CPU it may share with the broker) far more per message than one

@@ -39,6 +39,11 @@ pub(crate) struct Shared<St, H> {
     pub(super) contended_at: AtomicU64,
     pub(super) started: std::time::Instant,
     pub(super) batch_linger: Duration,
+    /// [`ConsumerBuilder::batch_max_duration`](super::ConsumerBuilder::batch_max_duration).
+    pub(super) batch_max_duration: Option<Duration>,
+    /// The handlers' recent pace: the mean duration of one handler call in the latest bounded
+    /// batch, in nanoseconds (0: none measured yet). Sizes a bounded batch's chunks.
+    pub(super) handler_pace: AtomicU64,
     pub(crate) concurrency: Semaphore,
     pub(super) concurrency_limit: usize,
     /// `max_in_flight / concurrency` (at least 1): what the shared queue can hold for each
@@ -108,6 +113,43 @@ impl<St, H> Shared<St, H> {
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                     Some((n + (n / 8).max(1)).min(max))
                 });
+        }
+    }
+
+    /// How many queued messages a task takes for its transactions: the
+    /// [`batch_limit`](Self::batch_limit), or fewer when a `batch_max_duration` fits fewer at
+    /// the handlers' recent pace. What a bounded batch would not reach then stays queued for
+    /// the lane's next task, which on the unordered queue can run beside it.
+    pub(super) fn batch_take(&self) -> usize {
+        let limit = self.batch_limit();
+        let pace = self.handler_pace.load(Ordering::Relaxed);
+        match self.batch_max_duration {
+            Some(max) if pace > 0 => {
+                let fits = usize::try_from(max.as_nanos() / u128::from(pace)).unwrap_or(usize::MAX);
+                limit.min(fits.max(1))
+            }
+            _ => limit,
+        }
+    }
+
+    /// How many more messages a batch bounded by its duration claims with `time_left` until the
+    /// duration has passed, of `left` not yet claimed: as many as the handlers' recent pace fits
+    /// (at least one: the duration has not passed), or one while no pace is known.
+    pub(super) fn chunk_for(&self, time_left: Duration, left: usize) -> usize {
+        let pace = self.handler_pace.load(Ordering::Relaxed);
+        let fits = if pace == 0 {
+            1
+        } else {
+            usize::try_from(time_left.as_nanos() / u128::from(pace)).unwrap_or(usize::MAX)
+        };
+        fits.clamp(1, left.max(1))
+    }
+
+    /// Records the pace of a bounded batch's handlers: `calls` calls took `total`.
+    pub(super) fn note_handler_pace(&self, total: Duration, calls: u32) {
+        if calls > 0 {
+            let nanos = (total.as_nanos() / u128::from(calls)).clamp(1, u128::from(u64::MAX));
+            self.handler_pace.store(nanos as u64, Ordering::Relaxed);
         }
     }
 

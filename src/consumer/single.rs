@@ -295,7 +295,14 @@ where
             id,
             attempt,
         };
-        let error = match run_handler(self, self.handler.handle(&mut cx, delivery.message())).await {
+        let call_started = std::time::Instant::now();
+        let handled = run_handler(self, self.handler.handle(&mut cx, delivery.message())).await;
+        if self.batch_max_duration.is_some() {
+            // A lone message's handler sets the pace too: the first burst after quiet traffic
+            // is then taken in bounded portions (see `Shared::batch_take`).
+            self.note_handler_pace(call_started.elapsed(), 1);
+        }
+        let error = match handled {
             Ok(()) => match self.finish(tx, entry, position).await {
                 Ok(()) => {
                     crate::crash::hit(crate::crash::AFTER_COMMIT);

@@ -524,3 +524,162 @@ async fn a_batch_handler_gets_the_new_messages_at_once_and_failures_run_alone() 
     assert_eq!(bulk.alone.load(Ordering::SeqCst), 3, "then each message alone");
     assert_eq!(broker.dead_letters()[0].1.reason, DeadLetterReason::Permanent);
 }
+
+/// A handler waiting on slow I/O: sleeps 5 ms, then writes its effect with its transaction's
+/// ID and how long that transaction had run when the handler started.
+#[derive(Clone)]
+struct Sleepy;
+
+const SLEEP: Duration = Duration::from_millis(5);
+
+#[txinbox::async_trait]
+impl Handler<Postgres> for Sleepy {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().to_string();
+        sqlx::query(
+            "INSERT INTO batch_effects (message_id, txid, ran_ms, at_ms)
+             VALUES ($1, txid_current(), extract(epoch FROM clock_timestamp() - now()) * 1000,
+                     extract(epoch FROM clock_timestamp()) * 1000)",
+        )
+        .bind(&id)
+        .execute(cx.db())
+        .await?;
+        tokio::time::sleep(SLEEP).await;
+        Ok(())
+    }
+}
+
+/// `batch_max_duration`: a batch whose transaction has run for the duration takes no more
+/// messages; it commits what it took and the next transaction takes the rest, in lane order.
+/// 60 messages of one lane are queued before the consumer starts and `batch_size` would take
+/// them all; the handler sleeps 5 ms, so a 50 ms batch holds at most about ten (its last chunk
+/// may end one handler past the duration). Without the bound, one transaction holds all 60 and
+/// runs for 300 ms.
+#[tokio::test]
+async fn a_batch_that_ran_for_its_max_duration_takes_no_more_messages() {
+    let db = db().await;
+    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8, ADD COLUMN at_ms float8")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new("batch");
+    for i in 0..60 {
+        broker.publish_in_lane("l", format!("m{i:02}"), "p");
+    }
+    broker.close();
+    let max = Duration::from_millis(50);
+    Consumer::builder("bounded")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(Sleepy)
+        .batch_size(1000)
+        .max_in_flight(1000)
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(max)
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+
+    let rows: Vec<(String, i64, f64)> =
+        sqlx::query_as("SELECT message_id, txid, ran_ms FROM batch_effects ORDER BY seq")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let ids: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+    let expected: Vec<String> = (0..60).map(|i| format!("m{i:02}")).collect();
+    assert_eq!(ids, expected, "every message once, in lane order");
+    assert_eq!(broker.stats().acked, 60);
+    // Transactions in commit order: (messages, how long it had run when its last handler started).
+    let mut batches: Vec<(i64, usize, f64)> = Vec::new();
+    for (_, txid, ran) in &rows {
+        match batches.last_mut() {
+            Some(b) if b.0 == *txid => {
+                b.1 += 1;
+                b.2 = b.2.max(*ran);
+            }
+            _ => batches.push((*txid, 1, *ran)),
+        }
+    }
+    let sizes: Vec<usize> = batches.iter().map(|b| b.1).collect();
+    // A handler never takes less than SLEEP, so the duration fits at most max / SLEEP of them;
+    // the last chunk is claimed before the duration passed and may hold one more.
+    let most = (max.as_millis() / SLEEP.as_millis()) as usize + 1;
+    assert!(
+        sizes.iter().all(|&n| n <= most),
+        "no transaction takes more than {most} messages of a 5 ms handler in 50 ms: sizes {sizes:?}, \
+         ran (ms) {:?}",
+        batches.iter().map(|b| b.2.round()).collect::<Vec<_>>()
+    );
+    assert!(sizes.iter().any(|&n| n >= 2), "it still batches: sizes {sizes:?}");
+}
+
+/// With `batch_max_duration`, a task takes from the unordered queue only what the duration fits
+/// at the handlers' pace, so a burst of slow messages runs in transactions side by side rather
+/// than in one task after another. A first message measures the pace; then 40 are queued at
+/// once (`batch_size` would give them all to one task, whose bounded transactions would run one
+/// after another).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_slow_unordered_messages_spreads_over_concurrent_bounded_batches() {
+    let db = db().await;
+    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8, ADD COLUMN at_ms float8")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new("batch");
+    let consumer = Consumer::builder("bounded-burst")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(Sleepy)
+        .batch_size(1000)
+        .max_in_flight(1000)
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let running = tokio::spawn(consumer.run());
+    let settled = |n: u64| {
+        let broker = broker.clone();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while broker.stats().acked < n {
+                assert!(
+                    Instant::now() < deadline,
+                    "{} of {n} settled",
+                    broker.stats().acked
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    broker.publish("warm-up", "p");
+    settled(1).await;
+    for i in 0..40 {
+        broker.publish(format!("m{i:02}"), "p");
+    }
+    settled(41).await;
+    running.abort();
+
+    // Per transaction of the burst: when its first and its last handler started.
+    let spans: Vec<(i64, f64, f64, i64)> = sqlx::query_as(
+        "SELECT txid, min(at_ms), max(at_ms), count(*) FROM batch_effects
+         WHERE message_id <> 'warm-up' GROUP BY txid ORDER BY min(at_ms)",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        spans.iter().map(|s| s.3).sum::<i64>(),
+        40,
+        "every message once: {spans:?}"
+    );
+    let overlapping = spans
+        .iter()
+        .enumerate()
+        .any(|(i, a)| spans[i + 1..].iter().any(|b| b.1 < a.2));
+    assert!(
+        overlapping,
+        "the burst's transactions ran side by side, not one after another: {spans:?}"
+    );
+}

@@ -19,7 +19,11 @@ impl Bench {
         {
             Ok(Ok(conn)) => conn,
             _ => {
-                println!("amqp: SKIPPED, no RabbitMQ at AMQP_URL (default 127.0.0.1:5672)");
+                let why = "no RabbitMQ at AMQP_URL (default 127.0.0.1:5672)";
+                if self.args.require_brokers {
+                    anyhow::bail!("amqp: {why}; --require-brokers makes that an error");
+                }
+                println!("amqp: SKIPPED, {why}");
                 return Ok(());
             }
         };
@@ -47,6 +51,9 @@ impl Bench {
             }
         };
         let window = self.source_rows("amqp", rows, amqp_row).await?;
+        if !self.args.runs("peer") {
+            return Ok(());
+        }
 
         let queue = format!("bench-peer-{}", self.run_id);
         declare_queue(&channel, &queue).await?;

@@ -21,6 +21,36 @@ pub(crate) struct Args {
     pub(crate) pgbench_seconds: u32,
     /// How long each fixed-rate row publishes (0: no fixed-rate rows).
     pub(crate) paced_seconds: u64,
+    /// A broker that cannot be reached fails the run instead of being skipped.
+    pub(crate) require_brokers: bool,
+    /// Messages of each sleeping-handler row (0: none).
+    pub(crate) sleep_messages: u64,
+    /// The sleeping handler's sleep, and the bound its second row sets.
+    pub(crate) sleep_ms: u64,
+    pub(crate) batch_max_ms: u64,
+    /// Pairs of health cost rows (tracking on, then off; 0: none).
+    pub(crate) health_pairs: u32,
+    /// The kinds of rows to run (`None`: all of [`MODES`]).
+    pub(crate) modes: Option<Vec<String>>,
+}
+
+/// The kinds of rows `--modes` selects from: `paced` is the fixed-rate rows, `sleep` the
+/// sleeping handler's (memory), `health` the health cost pairs (memory).
+pub(crate) const MODES: [&str; 7] = [
+    "raw",
+    "per_message",
+    "batched",
+    "paced",
+    "peer",
+    "sleep",
+    "health",
+];
+
+impl Args {
+    /// Whether rows of kind `mode` (one of [`MODES`]) run.
+    pub(crate) fn runs(&self, mode: &str) -> bool {
+        self.modes.as_ref().is_none_or(|m| m.iter().any(|x| x == mode))
+    }
 }
 
 pub(crate) fn parse_args() -> anyhow::Result<Args> {
@@ -40,7 +70,14 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         pgbench: true,
         pgbench_seconds: 5,
         paced_seconds: 10,
+        require_brokers: false,
+        sleep_messages: 0,
+        sleep_ms: 5,
+        batch_max_ms: 50,
+        health_pairs: 5,
+        modes: None,
     };
+    let mut sleep_messages_set = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -60,13 +97,26 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
             "--pgbench-seconds" => a.pgbench_seconds = value()?.parse()?,
             "--no-pgbench" => a.pgbench = false,
             "--paced-seconds" => a.paced_seconds = value()?.parse()?,
+            "--require-brokers" => a.require_brokers = true,
+            "--sleep-messages" => {
+                a.sleep_messages = value()?.parse()?;
+                sleep_messages_set = true;
+            }
+            "--sleep-ms" => a.sleep_ms = value()?.parse()?,
+            "--batch-max-ms" => a.batch_max_ms = value()?.parse()?,
+            "--health-pairs" => a.health_pairs = value()?.parse()?,
+            "--modes" => a.modes = Some(value()?.split(',').map(str::to_owned).collect()),
             "--help" | "-h" => {
                 println!(
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
                      [--sources memory,kafka,amqp] [--batch-size N (100)] [--linger-ms N (0)] [--concurrency N (8)]\n  \
                      [--max-in-flight N (2048)] \
                      [--window N (searched per broker; memory 2000)] [--partitions N (8)] [--json PATH] [--prefill-rows N] [--memory-run N]\n  \
-                     [--no-pgbench] [--pgbench-seconds N (5)] [--paced-seconds N (10; 0: no fixed-rate rows)]"
+                     [--no-pgbench] [--pgbench-seconds N (5)] [--paced-seconds N (10; 0: no fixed-rate rows)]\n  \
+                     [--require-brokers (an unreachable broker fails the run)]\n  \
+                     [--sleep-messages N (min(messages, 4000); 0: no sleeping-handler rows)] [--sleep-ms N (5)] [--batch-max-ms N (50)]\n  \
+                     [--health-pairs N (5; 0: no health cost rows)]\n  \
+                     [--modes raw,per_message,batched,paced,peer,sleep,health (all)]"
                 );
                 std::process::exit(0);
             }
@@ -76,12 +126,18 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
     if a.per_message == 0 {
         a.per_message = a.messages.min(10_000);
     }
+    if !sleep_messages_set {
+        a.sleep_messages = a.messages.min(4_000);
+    }
     if let Some(bad) = a
         .sources
         .iter()
         .find(|s| !["memory", "kafka", "amqp"].contains(&s.as_str()))
     {
         bail!("unknown source {bad:?}: use memory, kafka, amqp");
+    }
+    if let Some(bad) = a.modes.iter().flatten().find(|m| !MODES.contains(&m.as_str())) {
+        bail!("unknown mode {bad:?}: use {}", MODES.join(", "));
     }
     Ok(a)
 }

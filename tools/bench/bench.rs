@@ -6,16 +6,63 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
+use txinbox::position::ConsumerPositions;
 use txinbox::sqlx::postgres::PgPool;
 use txinbox::sqlx::Executor;
 use txinbox::{source::Settlement, Consumer, Delivery as _, IdStrategy, MessageSource, PostgresInbox};
 
 use crate::args::Args;
-use crate::effects::{Effects, HANDLED, HANDLER_CALLS};
+use crate::effects::{slow_transactions, Effects, Sleepy, HANDLED, HANDLER_CALLS};
 use crate::measure::{reset_peak_rss, rss_mb, Probe};
 use crate::publish::{publish_loop, Load, Publisher};
 use crate::report::{paced_mode, print_row, Mode, Row};
 use crate::timed::Timed;
+
+/// How a row's consumer differs from the standard one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Variant {
+    /// A per-message handler that sleeps this long (waiting on slow I/O) instead of [`Effects`].
+    pub(crate) sleep: Option<Duration>,
+    /// [`ConsumerBuilder::batch_max_duration`](txinbox::ConsumerBuilder::batch_max_duration).
+    pub(crate) batch_max_duration: Option<Duration>,
+    /// Lane health tracking (on in every consumer but the health cost row's "off").
+    pub(crate) track_lanes: bool,
+}
+
+impl Default for Variant {
+    fn default() -> Self {
+        Variant {
+            sleep: None,
+            batch_max_duration: None,
+            track_lanes: true,
+        }
+    }
+}
+
+impl Variant {
+    /// What the row's note says about it: for a sleeping handler, how many messages its
+    /// transactions held and how long they ran (from the handlers' own reports).
+    fn describe(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if let Some(sleep) = self.sleep {
+            let txs = slow_transactions();
+            let (count, handled) = (txs.len().max(1) as f64, txs.values().map(|t| t.0).sum::<u64>());
+            let mean_ms = txs.values().map(|t| t.1).sum::<f64>() / count;
+            let longest_ms = txs.values().map(|t| t.1).fold(0.0, f64::max);
+            parts.push(format!(
+                "handler sleeps {} ms, batch_max_duration {}; {:.1} messages per transaction, transactions run {mean_ms:.0} ms on average, {longest_ms:.0} ms at most (to the last handler's end)",
+                sleep.as_millis(),
+                self.batch_max_duration
+                    .map_or("none".to_owned(), |d| format!("{} ms", d.as_millis())),
+                handled as f64 / count,
+            ));
+        }
+        if !self.track_lanes {
+            parts.push("lane health tracking off".to_owned());
+        }
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
 
 pub(crate) struct Bench {
     pub(crate) args: Args,
@@ -41,6 +88,33 @@ impl Bench {
         id_strategy: Option<IdStrategy>,
         load: Load,
     ) -> anyhow::Result<Row> {
+        self.row_with(
+            label,
+            mode,
+            name,
+            source,
+            publisher,
+            id_strategy,
+            load,
+            Variant::default(),
+        )
+        .await
+    }
+
+    /// [`row`](Self::row) with a consumer set up as `variant` says (the handler, the batch
+    /// duration bound, lane health tracking).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn row_with<Src: MessageSource>(
+        &self,
+        label: &str,
+        mode: Mode,
+        name: &str,
+        source: Src,
+        publisher: Publisher,
+        id_strategy: Option<IdStrategy>,
+        load: Load,
+        variant: Variant,
+    ) -> anyhow::Result<Row> {
         let n = load.n;
         self.checkpoint().await;
         reset_peak_rss();
@@ -51,10 +125,16 @@ impl Bench {
         };
         HANDLER_CALLS.store(0, Ordering::Relaxed);
         HANDLED.store(0, Ordering::Relaxed);
+        slow_transactions().clear();
         let publishing = tokio::spawn(publish_loop(publisher, load, probe.clone()));
         match mode {
             Mode::Raw => {
                 let mut source = timed;
+                // No consumer builds this source, so nothing hands it a consumer's positions;
+                // a source that resumes from the database's positions (Kafka) refuses to read
+                // without them. The row's own name has none stored: every lane starts at the
+                // beginning, as a new consumer's would.
+                source.attach_positions(ConsumerPositions::new(name, self.inbox()));
                 // Until the probe has every message (the warm-up one included): the loop ends
                 // through `wait_done`, never on a count that could miss the last delivery.
                 loop {
@@ -77,7 +157,7 @@ impl Bench {
                 let mut builder = Consumer::builder(name)
                     .source(timed)
                     .inbox(self.inbox())
-                    .handler(Effects)
+                    .handler(())
                     .concurrency(self.args.concurrency)
                     .max_in_flight(self.args.max_in_flight)
                     .batch_size(batch_size)
@@ -85,11 +165,26 @@ impl Bench {
                 if let Some(s) = id_strategy {
                     builder = builder.id_strategy(s);
                 }
+                if let Some(max) = variant.batch_max_duration {
+                    builder = builder.batch_max_duration(max);
+                }
+                if !variant.track_lanes {
+                    builder = builder.untracked_lanes_for_benchmarks();
+                }
                 let probe_done = probe.clone();
+                let done = async move { probe_done.wait_done().await };
                 // Spawned, as the README advises: `main`'s own future runs outside the worker
                 // threads, and every wake-up between it and them crosses threads.
-                let consumer = builder.build()?;
-                tokio::spawn(consumer.run_until(async move { probe_done.wait_done().await })).await??;
+                match variant.sleep {
+                    None => {
+                        let consumer = builder.handler(Effects).build()?;
+                        tokio::spawn(consumer.run_until(done)).await??;
+                    }
+                    Some(sleep) => {
+                        let consumer = builder.handler(Sleepy(sleep)).build()?;
+                        tokio::spawn(consumer.run_until(done)).await??;
+                    }
+                }
             }
         }
         publishing.await??;
@@ -110,6 +205,10 @@ impl Bench {
                 load.describe(),
                 HANDLED.load(Ordering::Relaxed) as f64 / HANDLER_CALLS.load(Ordering::Relaxed).max(1) as f64
             ),
+        };
+        let note = match variant.describe() {
+            Some(v) => format!("{v}; {note}"),
+            None => note,
         };
         Ok(Row {
             source: label.to_owned(),
@@ -231,6 +330,9 @@ impl Bench {
             })
             .await?;
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            if !self.args.runs(mode.as_str()) {
+                continue;
+            }
             let r = row(
                 mode,
                 mode.as_str().to_owned(),
@@ -253,6 +355,9 @@ impl Bench {
     /// each at half the batched rate, for `--paced-seconds` (none if that is 0 or the source
     /// has no batched row).
     pub(crate) fn paced(&self, rows: &[Row], source: &str, window: u64) -> Vec<(Mode, Load)> {
+        if !self.args.runs("paced") {
+            return Vec::new();
+        }
         let Some(batched) = rows
             .iter()
             .find(|r| r.source == source && r.mode == "batched")

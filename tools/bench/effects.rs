@@ -1,6 +1,9 @@
 //! The effect: one effect row per message, or one UNNEST insert per batch.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::time::Duration;
 
 use txinbox::sqlx::{self, Postgres};
 use txinbox::{
@@ -55,6 +58,36 @@ impl BatchHandler<Postgres> for Effects {
         .bind(sizes)
         .execute(cx.db())
         .await?;
+        Ok(())
+    }
+}
+
+/// A handler waiting on slow I/O: asks PostgreSQL its transaction's ID and how long that
+/// transaction has run, then sleeps. What it learns goes to [`slow_transactions`].
+pub(crate) struct Sleepy(pub(crate) Duration);
+
+static SLOW_TRANSACTIONS: LazyLock<Mutex<HashMap<i64, (u64, f64)>>> = LazyLock::new(Mutex::default);
+
+/// The sleeping handler's transactions in the current row: transaction ID → (messages, how
+/// long it had run when its last handler ended, ms). Cleared before each row.
+pub(crate) fn slow_transactions() -> MutexGuard<'static, HashMap<i64, (u64, f64)>> {
+    SLOW_TRANSACTIONS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[async_trait]
+impl Handler<Postgres> for Sleepy {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+        let (txid, ran_ms): (i64, f64) = sqlx::query_as(
+            "SELECT txid_current(), extract(epoch FROM clock_timestamp() - now())::float8 * 1000",
+        )
+        .fetch_one(cx.db())
+        .await?;
+        tokio::time::sleep(self.0).await;
+        let ran_ms = ran_ms + self.0.as_secs_f64() * 1000.0;
+        let mut txs = slow_transactions();
+        let t = txs.entry(txid).or_default();
+        t.0 += 1;
+        t.1 = t.1.max(ran_ms);
         Ok(())
     }
 }

@@ -15,7 +15,11 @@ impl Bench {
         use rdkafka::client::DefaultClientContext;
         let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
         if !reachable(&brokers).await {
-            println!("kafka: SKIPPED, no broker at {brokers} (set KAFKA_BROKERS; tansu: source scripts/lib/tansu.sh && ensure_tansu)");
+            let why = format!("no broker at {brokers} (set KAFKA_BROKERS; tansu: source scripts/lib/tansu.sh && ensure_tansu)");
+            if self.args.require_brokers {
+                anyhow::bail!("kafka: {why}; --require-brokers makes that an error");
+            }
+            println!("kafka: SKIPPED, {why}");
             return Ok(());
         }
         let topics = std::sync::Mutex::new(Vec::new());
@@ -85,6 +89,9 @@ impl Bench {
             }
         };
         let window = self.source_rows("kafka", rows, kafka_row).await?;
+        if !self.args.runs("peer") {
+            return Ok(());
+        }
 
         let topic = format!("bench-peer-{}", self.run_id);
         create_topic(&admin, &topic, self.args.partitions).await?;

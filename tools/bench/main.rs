@@ -71,6 +71,17 @@ use crate::bench::Bench;
 use crate::measure::now_micros;
 use crate::report::{header, print_row, Row};
 
+/// The median of `values` (the mean of the middle two for an even count); `None` if empty.
+fn median(values: &[f64]) -> Option<f64> {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(v[n / 2]),
+        n => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
@@ -192,6 +203,26 @@ async fn main() -> anyhow::Result<()> {
                     r + 2.0 * linger
                 );
             }
+        }
+        let rates = |mode: &str| -> Vec<f64> {
+            rows.iter()
+                .filter(|r| r.source == "memory" && r.mode == mode)
+                .map(|r| r.msgs_per_sec)
+                .collect()
+        };
+        let (ons, offs) = (rates("health_on"), rates("health_off"));
+        if let (Some(on), Some(off)) = (median(&ons), median(&offs)) {
+            println!(
+                "memory: lane health tracking costs {:.1}% (medians of {} pairs: on {on:.0}, off {off:.0} msg/s)",
+                100.0 * (off - on) / off,
+                ons.len().min(offs.len())
+            );
+        }
+        if let (Some(plain), Some(bound)) = (rate("memory", "sleep"), rate("memory", "sleep+bound")) {
+            println!(
+                "memory: sleeping handler, with batch_max_duration / without = {:.0}%",
+                100.0 * bound / plain
+            );
         }
         if let (Some(p), Some(e)) = (
             rows.iter()

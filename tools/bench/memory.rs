@@ -7,7 +7,7 @@ use txinbox::memory::MemoryBroker;
 use txinbox::sqlx::{self, Executor};
 use txinbox::Consumer;
 
-use crate::bench::Bench;
+use crate::bench::{Bench, Variant};
 use crate::effects::Effects;
 use crate::measure::{reset_peak_rss, rss_mb, Probe};
 use crate::publish::{publish_loop, Load, Publisher};
@@ -20,6 +20,9 @@ pub(crate) const MEMORY_WINDOW: u64 = 2_000;
 impl Bench {
     pub(crate) async fn memory_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         for mode in [Mode::Raw, Mode::PerMessage, Mode::Batched] {
+            if !self.args.runs(mode.as_str()) {
+                continue;
+            }
             let broker = MemoryBroker::new("bench");
             let name = format!("bench-memory-{}-{}", mode.as_str(), self.run_id);
             let row = self
@@ -47,6 +50,91 @@ impl Bench {
             row.mode = paced_mode(mode);
             print_row(&row);
             rows.push(row);
+        }
+        self.sleeping_rows(rows).await?;
+        self.health_rows(rows).await
+    }
+
+    /// A handler waiting on slow I/O (it sleeps `--sleep-ms`), batched without and with
+    /// `batch_max_duration` (`--batch-max-ms`): what the bound does to the rate, the
+    /// transactions and the latency.
+    async fn sleeping_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        if self.args.sleep_messages == 0 || !self.args.runs("sleep") {
+            return Ok(());
+        }
+        let sleep = Duration::from_millis(self.args.sleep_ms);
+        for (mode, bound) in [
+            ("sleep", None),
+            ("sleep+bound", Some(Duration::from_millis(self.args.batch_max_ms))),
+        ] {
+            let broker = MemoryBroker::new("bench");
+            let name = format!("bench-memory-{}-{}", mode.replace('+', "-"), self.run_id);
+            let load = Load::saturated(
+                self.args.sleep_messages,
+                self.args.window.unwrap_or(MEMORY_WINDOW),
+            );
+            let variant = Variant {
+                sleep: Some(sleep),
+                batch_max_duration: bound,
+                ..Variant::default()
+            };
+            let publisher = Publisher::Memory(broker.clone());
+            let mut row = self
+                .row_with(
+                    "memory",
+                    Mode::Batched,
+                    &name,
+                    broker.source(),
+                    publisher,
+                    None,
+                    load,
+                    variant,
+                )
+                .await?;
+            row.mode = mode;
+            print_row(&row);
+            rows.push(row);
+        }
+        Ok(())
+    }
+
+    /// The cost of lane health tracking: the batched memory row with it on and off, in
+    /// alternating pairs (`--health-pairs`), so that drift in the machine's speed hits both.
+    async fn health_rows(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+        let pairs = if self.args.runs("health") {
+            self.args.health_pairs
+        } else {
+            0
+        };
+        for pair in 0..pairs {
+            for (mode, track_lanes) in [("health_on", true), ("health_off", false)] {
+                let broker = MemoryBroker::new("bench");
+                let name = format!("bench-memory-{mode}-{pair}-{}", self.run_id);
+                let load = Load::saturated(
+                    self.count(Mode::Batched),
+                    self.args.window.unwrap_or(MEMORY_WINDOW),
+                );
+                let variant = Variant {
+                    track_lanes,
+                    ..Variant::default()
+                };
+                let publisher = Publisher::Memory(broker.clone());
+                let mut row = self
+                    .row_with(
+                        "memory",
+                        Mode::Batched,
+                        &name,
+                        broker.source(),
+                        publisher,
+                        None,
+                        load,
+                        variant,
+                    )
+                    .await?;
+                row.mode = mode;
+                print_row(&row);
+                rows.push(row);
+            }
         }
         Ok(())
     }

@@ -87,7 +87,9 @@ impl AmqpTls {
     pub(crate) fn check(&self, uri: &str, what: &str) -> Result<AMQPUri, AmqpError> {
         let redacted = txinbox::redact::url(uri);
         // NOTE: parsed here first: lapin's own parse error quotes the whole URI, password included.
-        let parsed: AMQPUri = uri.parse().map_err(|e| {
+        let parsed: AMQPUri = uri.parse().map_err(|e: String| {
+            // …and so does the reason it gives: say it with the password masked.
+            let e = e.replace(uri, &redacted);
             AmqpError::Config(format!(
                 "{what} {redacted} is not an AMQP URI ({e}); expected amqp://user:password@host:5672/%2f or amqps://…"
             ))

@@ -460,7 +460,7 @@ async fn connection_lost_before_commit_then_retry_is_one_effect() {
                 let killed: Vec<bool> = sqlx::query_scalar(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
                      WHERE datname = current_database() AND pid <> pg_backend_pid()
-                       AND state = 'idle in transaction'",
+                       AND state = 'idle in transaction' AND query LIKE 'INSERT INTO effects%'",
                 )
                 .fetch_all(&pool)
                 .await
@@ -514,11 +514,14 @@ async fn in_flight_duplicate_gets_409_with_retry_after_then_replay() {
             .await
         })
     };
-    // The first request holds the key once its handler sits in the transaction.
+    // The first request holds the key once its handler has written its effect: a session merely
+    // idle in transaction may still be between BEGIN and the claim, and under load the
+    // duplicate then claims first (seen in CI: 201 instead of 409).
     for _ in 0..400 {
         let holding: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
-               AND pid <> pg_backend_pid() AND state = 'idle in transaction'",
+               AND pid <> pg_backend_pid() AND state = 'idle in transaction'
+               AND query LIKE 'INSERT INTO effects%'",
         )
         .fetch_one(&pool)
         .await

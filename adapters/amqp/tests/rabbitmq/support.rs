@@ -318,7 +318,9 @@ fn retry_args(queue: &str) -> FieldTable {
     txinbox_amqp::retry_queue_arguments(queue)
 }
 
-/// Deletes queues left by earlier runs of this suite (a failed test keeps its own).
+/// Deletes queues left by earlier runs of this suite (a failed test keeps its own): those whose
+/// process is gone. Test processes run side by side (cargo-nextest runs one per test), so a
+/// queue of a live process is someone's test in progress and is left alone.
 async fn sweep_stale_queues(channel: &Channel) {
     let Ok(out) = Command::new("rabbitmqctl")
         .args(["-q", "list_queues", "--no-table-headers", "name"])
@@ -326,9 +328,15 @@ async fn sweep_stale_queues(channel: &Channel) {
     else {
         return;
     };
-    let mine = format!("txinbox-amqp-t-{}-", std::process::id());
+    let owner_alive = |name: &str| {
+        let pid = name
+            .strip_prefix("txinbox-amqp-t-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok());
+        pid.is_none_or(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+    };
     for name in String::from_utf8_lossy(&out.stdout).lines().map(str::trim) {
-        if name.starts_with("txinbox-amqp-t-") && !name.starts_with(&mine) {
+        if name.starts_with("txinbox-amqp-t-") && !owner_alive(name) {
             let _ = channel
                 .queue_delete(name.into(), QueueDeleteOptions::default())
                 .await;
