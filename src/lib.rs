@@ -155,6 +155,7 @@ pub mod dead_letter;
 mod error;
 pub mod handler;
 pub mod health;
+pub mod janitor;
 pub mod message;
 #[cfg(feature = "postgres")]
 pub mod ops;

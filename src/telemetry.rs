@@ -21,6 +21,9 @@
 //! | `txinbox_outbox_published_total` | counter | outbox rows published and marked (label `relay`) |
 //! | `txinbox_outbox_publish_failures_total` | counter | publish attempts the broker did not confirm (label `relay`) |
 //! | `txinbox_outbox_dead_letters_total` | counter | outbox rows dead-lettered after bounded attempts or a permanent error (label `relay`) |
+//! | `txinbox_retention_deleted_total` | counter | rows deleted by a retention [janitor](crate::janitor) (label `table`: `inbox`, `outbox`, `http_idempotency`; with `consumer` or `relay`) |
+//! | `txinbox_retention_oldest_row_age_seconds` | gauge | age of the oldest row retention looks at, read after each pass, 0 when none (same labels) |
+//! | `txinbox_retention_batch_duration_seconds` | histogram | time one retention `DELETE` took (same labels) |
 //!
 //! A consumer takes its metric handles from the recorder installed when it is **built**
 //! ([`ConsumerBuilder::build`](crate::ConsumerBuilder::build)), so the per-message path only
@@ -68,6 +71,12 @@ pub const OUTBOX_PUBLISHED: &str = "txinbox_outbox_published_total";
 pub const OUTBOX_PUBLISH_FAILURES: &str = "txinbox_outbox_publish_failures_total";
 /// Counter: outbox rows dead-lettered.
 pub const OUTBOX_DEAD_LETTERS: &str = "txinbox_outbox_dead_letters_total";
+/// Counter: rows deleted by a retention janitor, by `table`.
+pub const RETENTION_DELETED: &str = "txinbox_retention_deleted_total";
+/// Gauge: age in seconds of the oldest row a retention janitor looks at, by `table`.
+pub const RETENTION_OLDEST_ROW_AGE: &str = "txinbox_retention_oldest_row_age_seconds";
+/// Histogram: time in seconds of one retention `DELETE`, by `table`.
+pub const RETENTION_BATCH_DURATION: &str = "txinbox_retention_batch_duration_seconds";
 
 /// One consumer's metric handles, resolved once when it is built: the per-message path only
 /// increments them (no label allocation, no registry lookup).
@@ -149,5 +158,21 @@ fn describe() {
     describe_gauge!(
         CONTENDED,
         "Messages re-running because they keep losing lock conflicts"
+    );
+}
+
+/// Describes the retention metrics ([`crate::janitor`]).
+pub(crate) fn describe_retention() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(RETENTION_DELETED, "Rows deleted by retention");
+    describe_gauge!(
+        RETENTION_OLDEST_ROW_AGE,
+        Unit::Seconds,
+        "Age of the oldest row retention looks at"
+    );
+    describe_histogram!(
+        RETENTION_BATCH_DURATION,
+        Unit::Seconds,
+        "Time one retention DELETE took"
     );
 }

@@ -1,10 +1,10 @@
 //! Runs the `InboxStore` conformance suite (`txinbox_testing::conformance::store`) against
 //! every store of this crate: PostgreSQL (needs `DATABASE_URL`, a role that may create
-//! databases) and SQLite (a temporary file). A third-party store runs the same four functions.
+//! databases) and SQLite (a temporary file). A third-party store runs the same functions (`retention` if it supports the consumer's retention).
 
 use std::sync::Arc;
 
-use txinbox_testing::conformance::store::{batches, contract, duplicates, subscriptions};
+use txinbox_testing::conformance::store::{batches, contract, duplicates, retention, subscriptions};
 
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -31,6 +31,7 @@ async fn postgres_store_conforms() {
     .await;
     batches(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
     subscriptions(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
+    retention(Arc::new(txinbox::PostgresInbox::new(pool.clone()))).await;
     let read_pool = pool.clone();
     duplicates(Arc::new(txinbox::PostgresInbox::new(pool.clone())), move |id| {
         let pool = read_pool.clone();
@@ -87,6 +88,7 @@ async fn sqlite_store_conforms() {
     })
     .await;
     subscriptions(Arc::new(store.clone())).await;
+    retention(Arc::new(store.clone())).await;
     batches(Arc::new(store)).await;
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use tokio::sync::{watch, Semaphore};
 use tokio_util::sync::CancellationToken;
 
+use super::retention::Retention;
 use super::shared::{Shared, CONTENTION_COOLDOWN};
 use super::Consumer;
 use crate::error::Error;
@@ -47,6 +48,7 @@ pub const DEFAULT_BATCH_MAX_DURATION: Option<Duration> = None;
 #[must_use = "a builder does nothing until .build()"]
 pub struct ConsumerBuilder<Src = (), St = (), H = ()> {
     name: String,
+    retention: Option<Retention>,
     source: Src,
     inbox: St,
     handler: H,
@@ -72,6 +74,7 @@ impl Consumer<(), (), ()> {
     pub fn builder(name: impl Into<String>) -> ConsumerBuilder {
         ConsumerBuilder {
             name: name.into(),
+            retention: None,
             source: (),
             inbox: (),
             handler: (),
@@ -95,6 +98,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn source<S2: MessageSource>(self, source: S2) -> ConsumerBuilder<S2, St, H> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source,
             inbox: self.inbox,
             handler: self.handler,
@@ -116,6 +120,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn inbox<S2: InboxStore>(self, inbox: S2) -> ConsumerBuilder<Src, S2, H> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source: self.source,
             inbox,
             handler: self.handler,
@@ -137,6 +142,7 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
     pub fn handler<H2>(self, handler: H2) -> ConsumerBuilder<Src, St, H2> {
         ConsumerBuilder {
             name: self.name,
+            retention: self.retention,
             source: self.source,
             inbox: self.inbox,
             handler,
@@ -263,6 +269,18 @@ impl<Src, St, H> ConsumerBuilder<Src, St, H> {
         self.dead_letter_payload_limit = Some(n);
         self
     }
+
+    /// Purges the inbox while the consumer runs: terminal rows older than the window are
+    /// deleted in small batches by a task that starts and stops with the consumer (see
+    /// [`Retention`] and [`janitor`](crate::janitor)). Off by default: an ID purged no longer
+    /// deduplicates, so the window is a decision about the broker's retention and redelivery
+    /// horizon that only the application can make; `txinbox purge` does the same on demand.
+    /// A window under the dedup window (7 days) is refused by [`build`](Self::build) unless
+    /// [`Retention::force`]d. Needs one of txinbox's stores.
+    pub fn retention(mut self, retention: impl Into<Retention>) -> Self {
+        self.retention = Some(retention.into());
+        self
+    }
 }
 
 impl<Src, St, H> ConsumerBuilder<Src, St, H>
@@ -309,6 +327,10 @@ where
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
+        let janitor = match self.retention {
+            Some(retention) => Some(retention.janitor(&self.name, &self.inbox)?),
+            None => None,
+        };
         let (healthy, _) = watch::channel(true);
         let name: Arc<str> = self.name.into();
         let health = Arc::new(health::State::new(name.clone(), self.track_lanes));
@@ -348,6 +370,7 @@ where
             source,
             max_in_flight: self.max_in_flight,
             shared,
+            janitor,
         })
     }
 }

@@ -25,6 +25,7 @@ mod batch;
 mod builder;
 mod call;
 mod intake;
+mod retention;
 mod scheduler;
 mod settle;
 mod shared;
@@ -44,6 +45,7 @@ pub use builder::{
     DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_MESSAGE_BYTES,
 };
 use intake::{intake, refresh_gauges};
+pub use retention::Retention;
 use scheduler::{Linger, Scheduler};
 use shared::Shared;
 
@@ -61,6 +63,8 @@ pub struct Consumer<Src, St, H> {
     source: Src,
     shared: Arc<Shared<St, H>>,
     max_in_flight: usize,
+    /// The inbox's retention, when configured: runs beside the consumer, stops with it.
+    janitor: Option<crate::janitor::Janitor>,
 }
 
 impl<Src, St, H> std::fmt::Debug for Consumer<Src, St, H> {
@@ -71,6 +75,7 @@ impl<Src, St, H> std::fmt::Debug for Consumer<Src, St, H> {
             .field("id_strategy", &self.shared.id_strategy)
             .field("concurrency", &self.shared.concurrency_limit)
             .field("max_in_flight", &self.max_in_flight)
+            .field("retention", &self.janitor.as_ref().map(|j| j.schedule()))
             .finish_non_exhaustive()
     }
 }
@@ -124,7 +129,11 @@ where
             source,
             shared,
             max_in_flight,
+            janitor,
         } = self;
+        // Retention runs beside the consumer, on its own connections, and stops with it (below);
+        // dropped with this future, it is aborted.
+        let janitor = janitor.map(|j| Arc::new(j).spawn());
         shared.health.set_running(true);
         let _stopped = StoppedOnDrop(shared.health.clone());
         let gauges = tokio::spawn(refresh_gauges(
@@ -236,6 +245,9 @@ where
             }
         }
 
+        if let Some(janitor) = janitor {
+            janitor.stop().await;
+        }
         let source = intake
             .await
             .map_err(|e| Error::Source(SourceError::fatal(format!("intake task failed: {e}"))))?;

@@ -54,6 +54,28 @@ impl<'a> From<&'a sqlx::SqlitePool> for Db<'a> {
     }
 }
 
+/// An owned [`Db`]: a clone of the pool, for work that outlives a borrow (the consumer's
+/// retention task). Cheap to clone, like the pools.
+#[derive(Debug, Clone)]
+pub enum DbPool {
+    /// PostgreSQL, [migrated](crate::postgres::migrate).
+    Postgres(sqlx::PgPool),
+    /// SQLite, [migrated](crate::sqlite::migrate).
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::SqlitePool),
+}
+
+impl DbPool {
+    /// The borrowed [`Db`] the operations take.
+    pub fn db(&self) -> Db<'_> {
+        match self {
+            DbPool::Postgres(pool) => Db::Postgres(pool),
+            #[cfg(feature = "sqlite")]
+            DbPool::Sqlite(pool) => Db::Sqlite(pool),
+        }
+    }
+}
+
 impl Db<'_> {
     /// The full name of txinbox table `name` (`inbox` → `txinbox.inbox` or `txinbox_inbox`).
     pub fn table(self, name: &str) -> String {

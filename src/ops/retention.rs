@@ -39,7 +39,7 @@
 
 use std::time::Duration;
 
-use super::{on_db, Db, Timestamp};
+use super::{on_db, Db, DbPool, Timestamp};
 
 /// Default purge window and the documented dedup window: 7 days (Kafka's default topic
 /// retention). `txinbox purge` refuses a shorter one unless `--force`.
@@ -71,6 +71,59 @@ fn purgeable(db: Db<'_>) -> String {
     )
 }
 
+/// The guard on a purge window, shared by `txinbox purge` and the consumer's retention
+/// ([`ConsumerBuilder::retention`](crate::ConsumerBuilder::retention)): a window shorter than
+/// the dedup window ([`DEFAULT_WINDOW`]) is refused unless `force`d; a forced one, and one
+/// shorter than `broker_retention` (what the broker keeps and can replay, when known), come back
+/// as warnings to show. The error and the warnings say what to change.
+pub fn check_window(
+    window: Duration,
+    force: bool,
+    broker_retention: Option<Duration>,
+) -> Result<Vec<String>, String> {
+    let shown = show(window);
+    let dedup_window = show(DEFAULT_WINDOW);
+    let mut warnings = Vec::new();
+    if window < DEFAULT_WINDOW {
+        if !force {
+            return Err(format!(
+                "a retention window of {shown} is inside the dedup window ({dedup_window}): an ID purged this early no longer deduplicates, so a redelivery, replay or requeue of its message runs the handler again. Keep at least the broker's retention plus the longest redelivery horizon, or force it if re-applying such messages is acceptable"
+            ));
+        }
+        warnings.push(format!(
+            "{shown} is inside the dedup window ({dedup_window}): redeliveries of purged IDs are applied again"
+        ));
+    }
+    if let Some(broker) = broker_retention.filter(|b| window < *b) {
+        warnings.push(format!(
+            "the retention window ({shown}) is shorter than the broker's retention ({}): a replay or a group reset can re-read messages whose inbox rows are gone, and they are applied again; keep the window at least the broker's retention",
+            show(broker)
+        ));
+    }
+    Ok(warnings)
+}
+
+/// A duration as `7d`, `36h`, `90min` or `45s`: the largest unit that divides it.
+fn show(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => format!("{}ms", d.as_millis()),
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3_600 == 0 => format!("{}h", s / 3_600),
+        s if s % 60 == 0 => format!("{}min", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
+/// The cutoff of a purge with `window`: the database's clock minus `window`.
+pub async fn cutoff<'a>(db: impl Into<Db<'a>>, window: Duration) -> Result<Timestamp, sqlx::Error> {
+    let db = db.into();
+    let now = format!("SELECT {}", db.now_ms());
+    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+    let now: i64 = on_db!(db, pool => sqlx::query_scalar(sqlx::AssertSqlSafe(now)).fetch_one(pool).await?);
+    Ok(Timestamp(now.saturating_sub(window_ms)))
+}
+
 /// Computes the cutoff (the database's clock minus `window`) and counts the rows it covers.
 pub async fn plan<'a>(
     db: impl Into<Db<'a>>,
@@ -78,26 +131,92 @@ pub async fn plan<'a>(
     window: Duration,
 ) -> Result<PurgePlan, sqlx::Error> {
     let db = db.into();
-    let now = format!("SELECT {}", db.now_ms());
+    let cutoff = cutoff(db, window).await?;
     let count = format!(
         "SELECT count(*) FROM {} i WHERE {}",
         db.table("inbox"),
         purgeable(db)
     );
-    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
     on_db!(db, pool => {
-        let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(now)).fetch_one(pool).await?;
-        let cutoff = now.saturating_sub(window_ms);
         let candidates: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count))
             .bind(consumer)
-            .bind(cutoff)
+            .bind(cutoff.0)
             .fetch_one(pool)
             .await?;
-        Ok(PurgePlan {
-            cutoff: Timestamp(cutoff),
-            candidates,
-        })
+        Ok(PurgePlan { cutoff, candidates })
     })
+}
+
+/// Age of `consumer`'s oldest terminal inbox row, by `processed_at` (one lookup along
+/// `inbox_processed_at_idx`); `None` when it has none.
+pub async fn oldest_terminal_age<'a>(
+    db: impl Into<Db<'a>>,
+    consumer: &str,
+) -> Result<Option<Duration>, sqlx::Error> {
+    let db = db.into();
+    let sql = format!(
+        "SELECT {now} - {oldest} FROM {inbox} i
+         WHERE i.consumer = $1 AND i.status <> 'retrying' AND i.processed_at IS NOT NULL
+         ORDER BY i.processed_at LIMIT 1",
+        now = db.now_ms(),
+        oldest = db.ms("i.processed_at"),
+        inbox = db.table("inbox"),
+    );
+    let age: Option<i64> = on_db!(db, pool => {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .fetch_optional(pool)
+            .await?
+    });
+    Ok(age.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+}
+
+/// The consumer's inbox as a [`Sweep`](crate::janitor::Sweep): each pass computes its cutoff
+/// from the database's clock, records the horizon ([`record_horizon`]) and deletes with
+/// [`delete_batch`], the same statements as `txinbox purge`, so the same rows are kept (see
+/// the [module docs](self)). Its oldest-row clock is `processed_at`.
+#[derive(Debug)]
+pub struct InboxSweep {
+    pool: DbPool,
+    consumer: String,
+    window: Duration,
+    cutoff: std::sync::Mutex<Option<Timestamp>>,
+}
+
+impl InboxSweep {
+    /// Purges `consumer`'s rows older than `window` in `pool`'s database. Check the window
+    /// first ([`check_window`]).
+    pub fn new(pool: DbPool, consumer: impl Into<String>, window: Duration) -> Self {
+        InboxSweep {
+            pool,
+            consumer: consumer.into(),
+            window,
+            cutoff: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::janitor::Sweep for InboxSweep {
+    async fn start_pass(&self) -> Result<(), sqlx::Error> {
+        let db = self.pool.db();
+        let cutoff = cutoff(db, self.window).await?;
+        // The horizon first: a replay checked meanwhile already refuses the purged range.
+        record_horizon(db, &self.consumer, cutoff).await?;
+        *self.cutoff.lock().unwrap() = Some(cutoff);
+        Ok(())
+    }
+
+    async fn delete_batch(&self, batch: u32) -> Result<u64, sqlx::Error> {
+        let Some(cutoff) = *self.cutoff.lock().unwrap() else {
+            return Ok(0);
+        };
+        delete_batch(self.pool.db(), &self.consumer, cutoff, i64::from(batch)).await
+    }
+
+    async fn oldest_age(&self) -> Result<Option<Duration>, sqlx::Error> {
+        oldest_terminal_age(self.pool.db(), &self.consumer).await
+    }
 }
 
 /// The transaction-scoped lock that orders a purge's horizon against a replay's positions

@@ -174,6 +174,16 @@ pub(super) async fn purge(pool: &PgPool, retention_secs: f64, batch: usize) -> R
         .rows_affected())
 }
 
+/// Seconds since the oldest published row was published, `None` when there is none.
+pub(super) async fn oldest_published_age(pool: &PgPool) -> Result<Option<f64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - min(published_at))::float8
+         FROM txinbox.outbox WHERE status = 'published'",
+    )
+    .fetch_one(pool)
+    .await
+}
+
 pub(super) async fn backlog(pool: &PgPool) -> Result<(i64, f64), sqlx::Error> {
     sqlx::query_as(BACKLOG).fetch_one(pool).await
 }

@@ -325,6 +325,17 @@ pub(super) async fn purge_published(
         .rows_affected())
 }
 
+/// Seconds since the oldest published row was published, `None` when there is none.
+pub(super) async fn oldest_published_age(pool: &SqlitePool) -> Result<Option<f64>, sqlx::Error> {
+    sqlx::query_scalar(concat!(
+        "SELECT (",
+        now_ms!(),
+        " - min(published_at)) / 1000.0 FROM txinbox_outbox WHERE status = 'published'"
+    ))
+    .fetch_one(pool)
+    .await
+}
+
 pub(super) async fn backlog(pool: &SqlitePool) -> Result<(i64, f64), sqlx::Error> {
     sqlx::query_as(BACKLOG).fetch_one(pool).await
 }

@@ -208,6 +208,17 @@ pub trait InboxStore: Send + Sync + 'static {
     fn max_connections(&self) -> Option<u32> {
         None
     }
+
+    /// The database the consumer's retention deletes from
+    /// ([`ConsumerBuilder::retention`](crate::ConsumerBuilder::retention)): the stores of this
+    /// crate return their pool, and the janitor runs the same statements as `txinbox purge`
+    /// ([`ops::retention`](crate::ops::retention)) on it. The default, `None`, makes
+    /// `.retention(…)` refused when the consumer is built: a store of its own schema purges its
+    /// own way.
+    #[cfg(feature = "postgres")]
+    fn retention_pool(&self) -> Option<crate::ops::DbPool> {
+        None
+    }
 }
 
 /// The inbox key and what is stored with it.

@@ -559,6 +559,11 @@ impl InboxStore for PostgresInbox {
     fn max_connections(&self) -> Option<u32> {
         Some(self.pool.options().get_max_connections())
     }
+
+    #[cfg(feature = "postgres")]
+    fn retention_pool(&self) -> Option<crate::ops::DbPool> {
+        Some(crate::ops::DbPool::Postgres(self.pool.clone()))
+    }
 }
 
 /// Checks that the certificate and key files a PostgreSQL URL names (`sslrootcert`, `sslcert`,

@@ -436,6 +436,11 @@ impl InboxStore for SqliteInbox {
     fn max_connections(&self) -> Option<u32> {
         Some(self.pool.options().get_max_connections())
     }
+
+    #[cfg(feature = "postgres")]
+    fn retention_pool(&self) -> Option<crate::ops::DbPool> {
+        Some(crate::ops::DbPool::Sqlite(self.pool.clone()))
+    }
 }
 
 /// Unavailable ([`is_unavailable`](super::is_unavailable): I/O, a pool timeout, `SQLITE_IOERR`,

@@ -15,6 +15,10 @@ async fn retention_removes_only_old_published_rows_and_gauges_report_the_backlog
             .unwrap();
     }
     let recorder = Recorder::default();
+    // The retention metrics, read from a recorder local to this thread.
+    let metrics = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = metrics.snapshotter();
+    let _guard = metrics::set_default_local_recorder(&metrics);
     let relay = Relay::new(
         pool.clone(),
         recorder.clone(),
@@ -68,6 +72,37 @@ async fn retention_removes_only_old_published_rows_and_gauges_report_the_backlog
     let backlog = relay.refresh_metrics().await.unwrap();
     assert_eq!(backlog.pending, 1);
     assert!(backlog.oldest_pending_age >= Duration::from_secs(3 * 3600 - 1));
+
+    // The janitor's metrics, labelled with the table and the relay.
+    use metrics_util::debugging::DebugValue;
+    let (mut deleted, mut deletes, mut oldest) = (0, 0, None);
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let labels: Vec<(String, String)> = key
+            .key()
+            .labels()
+            .map(|l| (l.key().to_owned(), l.value().to_owned()))
+            .collect();
+        assert!(
+            !key.key().name().starts_with("txinbox_retention_")
+                || labels.contains(&("table".into(), "outbox".into()))
+                    && labels.iter().any(|(k, _)| k == "relay"),
+            "{key:?}"
+        );
+        match (key.key().name(), value) {
+            ("txinbox_retention_deleted_total", DebugValue::Counter(c)) => deleted += c,
+            ("txinbox_retention_batch_duration_seconds", DebugValue::Histogram(h)) => deletes += h.len(),
+            ("txinbox_retention_oldest_row_age_seconds", DebugValue::Gauge(g)) => {
+                oldest = Some(g.into_inner())
+            }
+            _ => {}
+        }
+    }
+    assert_eq!((deleted, deletes), (10, 3), "10 rows in 3 DELETEs");
+    let oldest = oldest.expect("the oldest published row's age is reported");
+    assert!(
+        (0.0..3600.0).contains(&oldest),
+        "the kept rows were published just now: {oldest}"
+    );
 }
 
 #[tokio::test]

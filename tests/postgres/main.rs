@@ -15,6 +15,7 @@ mod metrics;
 mod migrations;
 mod ordering;
 mod positions;
+mod retention;
 mod retries;
 mod router;
 mod shutdown;

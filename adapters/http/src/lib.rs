@@ -50,7 +50,7 @@
 //! | COMMIT outcome unknown (connection lost) | committed or not | 503 `store-unavailable` + `Retry-After`; the retry replays or runs afresh |
 //! | COMMIT refused (a deferred constraint) | rolled back | 500 `response-not-stored`; the key is not used up |
 //! | process killed anywhere before COMMIT | PostgreSQL rolls the transaction back | none; the retry runs afresh |
-//! | record older than [`ttl`](IdempotencyLayer::ttl) (24 h) | the key is claimed afresh; [`purge_expired`] deletes old records | as for a new key |
+//! | record older than [`ttl`](IdempotencyLayer::ttl) (24 h) | the key is claimed afresh; [`purge_expired`] (once) or a [`janitor`] (beside the service) deletes old records | as for a new key |
 //!
 //! All the layer's own errors are RFC 9457 problem details (`application/problem+json`, with
 //! a `code` member; see [`Problem`]).
@@ -115,4 +115,4 @@ pub use layer::{
 };
 pub use problem::{Problem, PROBLEM_TYPE_PREFIX};
 pub use service::{Idempotency, IDEMPOTENT_REPLAYED_BODY};
-pub use store::{purge_expired, Backend};
+pub use store::{janitor, purge_expired, Backend, IdempotencySweep};

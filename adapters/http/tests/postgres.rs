@@ -680,6 +680,58 @@ async fn expired_key_runs_afresh_and_is_purged() {
     assert_eq!(records(&pool).await, 1);
 }
 
+/// The retention janitor (the one the inbox and the outbox use) deletes expired records on its
+/// schedule while the service runs, in batches, keeps live ones, and stops when told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_janitor_deletes_expired_records_on_its_schedule_and_stops() {
+    let pool = db(4).await;
+    let short = app(IdempotencyLayer::new(pool.clone()).ttl(Duration::from_millis(1)));
+    let long = app(IdempotencyLayer::new(pool.clone()));
+    for i in 0..5 {
+        let key = format!("short-{i}");
+        let (s, _, _) = send(&short, req("t1", Some(key.as_str()), 1).body(body(1)).unwrap()).await;
+        assert_eq!(s, StatusCode::CREATED);
+    }
+    let (s, _, _) = send(&long, req("t1", Some("live"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(s, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let schedule = txinbox::janitor::Schedule {
+        interval: Duration::from_millis(50),
+        batch: 2,
+        pause: Duration::from_millis(1),
+    };
+    let running = std::sync::Arc::new(txinbox_http::janitor(pool.clone(), schedule).unwrap()).spawn();
+    let until_records = |n: i64| {
+        let pool = pool.clone();
+        async move {
+            for _ in 0..500 {
+                if records(&pool).await == n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("never {n} records");
+        }
+    };
+    until_records(1).await;
+    // Expired later: the next pass takes it.
+    let (s, _, _) = send(&short, req("t1", Some("later"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(s, StatusCode::CREATED);
+    until_records(1).await;
+    running.stop().await;
+    let (s, _, _) = send(&short, req("t1", Some("after-stop"), 1).body(body(1)).unwrap()).await;
+    assert_eq!(s, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(records(&pool).await, 2, "a stopped janitor deletes nothing");
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM txinbox.http_idempotency WHERE idempotency_key = 'live'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(live, 1, "a live record stays");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_requests_on_an_expired_key_take_it_over_once() {
     let pool = db(16).await;

@@ -11,13 +11,10 @@ use crate::{show_duration, Env, PurgeArgs, Report};
 
 pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
     let window = show_duration(a.older_than);
-    let dedup_window = show_duration(retention::DEFAULT_WINDOW);
+    // The guard the consumer's retention applies too; a dry run only shows what would go.
+    let warnings = retention::check_window(a.older_than, a.force || a.dry_run, None)
+        .map_err(|e| CliError::failed(format!("--older-than {window}: {e} (--force)")))?;
     let inside = a.older_than < retention::DEFAULT_WINDOW;
-    if inside && !a.force && !a.dry_run {
-        return Err(CliError::failed(format!(
-            "--older-than {window} is inside the dedup window ({dedup_window}): an ID purged this early no longer deduplicates, so a redelivery, replay or requeue of its message runs the handler again. Keep at least the broker's retention plus the longest redelivery horizon, or pass --force if re-applying such messages is acceptable"
-        )));
-    }
     let store = env.db(false).await?;
     let pool = store.ops();
     let inbox = store.table("inbox");
@@ -46,11 +43,8 @@ pub async fn run(env: &Env, a: PurgeArgs) -> Result<Report, CliError> {
     if plans.is_empty() {
         plan_text.push_str("no inbox rows\n");
     }
-    if inside {
-        let _ = writeln!(
-            plan_text,
-            "warning: {window} is inside the dedup window ({dedup_window}): redeliveries of purged IDs are applied again"
-        );
+    for warning in &warnings {
+        let _ = writeln!(plan_text, "warning: {warning}");
     }
     let report_of = |deleted: &[u64]| {
         json!({

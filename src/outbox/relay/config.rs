@@ -88,6 +88,9 @@ impl RelayConfig {
     }
 
     /// How often retention runs, and how many rows one `DELETE` removes. Defaults 60 s, 1000.
+    /// Retention is a [janitor](crate::janitor) on its own task while the relay runs: batches
+    /// are [`DEFAULT_PAUSE`](crate::janitor::DEFAULT_PAUSE) apart, and its metrics are the
+    /// `txinbox_retention_*` ones with `table="outbox"` and the `relay` label.
     pub fn retention_schedule(mut self, every: Duration, batch: usize) -> Self {
         self.retention_interval = every;
         self.retention_batch = batch;

@@ -1,8 +1,8 @@
 //! [`Relay`]: publishes committed outbox rows through a [`Publisher`] and marks them.
 //!
 //! One file per question: [`config`] (how a relay is configured), [`round`] (what one round
-//! claims, publishes and marks), [`listen`] (how the relay is woken), [`upkeep`] (retention and
-//! the gauges between rounds), [`metrics`] (what a relay reports).
+//! claims, publishes and marks), [`listen`] (how the relay is woken), [`upkeep`] (retention, a
+//! [janitor](crate::janitor) beside the rounds, and the gauges between rounds), [`metrics`] (what a relay reports).
 
 mod config;
 mod listen;
@@ -99,7 +99,8 @@ use listen::{notified, read_queued, Listener};
 ///
 /// A running relay holds two connections of its pool: the listener's, and the round's
 /// transaction (held while publishing: a round starts no publish after `publish_timeout`, and
-/// each publish is bounded by it, so at most about twice that).
+/// each publish is bounded by it, so at most about twice that). Retention takes a third for
+/// each of its `DELETE`s (a statement of its own, no transaction held between them).
 ///
 /// # SQLite
 ///
@@ -133,6 +134,8 @@ pub struct Relay<P> {
     config: RelayConfig,
     metrics: Metrics,
     health: Arc<crate::health::RelayState>,
+    /// Retention of published rows: runs beside the rounds while the relay runs.
+    janitor: Arc<crate::janitor::Janitor>,
 }
 
 impl<P> fmt::Debug for Relay<P> {
@@ -182,8 +185,21 @@ impl<P: Publisher> Relay<P> {
     pub fn new(pool: impl Into<OutboxPool>, publisher: P, config: RelayConfig) -> Result<Self, RelayError> {
         config.validate().map_err(RelayError::Config)?;
         let metrics = Metrics::new(&config.name);
+        let pool = pool.into();
+        let schedule = crate::janitor::Schedule {
+            interval: config.retention_interval,
+            batch: u32::try_from(config.retention_batch).unwrap_or(u32::MAX),
+            ..crate::janitor::Schedule::default()
+        };
+        let sweep = upkeep::OutboxSweep {
+            pool: pool.clone(),
+            retention: config.retention,
+        };
+        let janitor = crate::janitor::Janitor::new(sweep, schedule, "outbox", Some(("relay", &config.name)))
+            .map_err(RelayError::Config)?;
         Ok(Relay {
-            pool: pool.into(),
+            janitor: Arc::new(janitor),
+            pool,
             publisher: Arc::new(publisher),
             health: Arc::new(crate::health::RelayState::new(&config.name)),
             config,
@@ -217,8 +233,9 @@ impl<P: Publisher> Relay<P> {
         let far_past = Instant::now()
             .checked_sub(Duration::from_secs(3600))
             .unwrap_or_else(Instant::now);
-        let mut last_purge = far_past;
         let mut last_metrics = far_past;
+        // Retention runs on its own task while the relay runs (and stops with it).
+        let _retention = self.janitor.clone().spawn();
         // While the broker looks unavailable, rounds are spaced out (doubling, up to 30 s) and
         // notifications do not shorten the pause.
         let mut outage_pause: Option<Duration> = None;
@@ -237,9 +254,9 @@ impl<P: Publisher> Relay<P> {
                     l = self.listen() => listener = l,
                 }
             }
-            // Drain: full rounds mean there may be more. Retention and the gauges run between
-            // rounds on their schedules, also during a long drain (when the backlog gauges
-            // matter most).
+            // Drain: full rounds mean there may be more. The gauges refresh between rounds on
+            // their schedule, also during a long drain (when they matter most); retention runs
+            // on its own task meanwhile.
             loop {
                 let result = tokio::select! {
                     biased;
@@ -252,7 +269,7 @@ impl<P: Publisher> Relay<P> {
                 tokio::select! {
                     biased;
                     () = &mut shutdown => return Ok(()),
-                    () = self.run_due_upkeep(&mut last_metrics, &mut last_purge) => {}
+                    () = self.run_due_upkeep(&mut last_metrics) => {}
                 }
                 match &result {
                     Ok(round) => {

@@ -1,6 +1,6 @@
 //! The [`InboxStore`] suite: the contract every inbox store must keep, whatever the database.
 //!
-//! Four functions, each taking a freshly migrated store (one database for all four is fine:
+//! Five functions, each taking a freshly migrated store (one database for all five is fine:
 //! each uses its own consumer names):
 //!
 //! | function | the contract it checks | the runner provides |
@@ -9,6 +9,7 @@
 //! | [`batches`] | `claim_batch` / `confirm_batch` decide like `claim`, in one transaction | — |
 //! | [`duplicates`] | `record_duplicates` counts per entry, only when committed | `duplicates(id)`: the stored duplicate count of consumer `"dups"`'s row `id` |
 //! | [`subscriptions`] | one consumer group per consumer name and topic | — |
+//! | [`retention`] | the consumer's retention deletes old terminal rows, keeps recent, `retrying` and not-yet-read ones (stores whose `retention_pool` is `Some`) | — |
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -570,5 +571,110 @@ pub async fn subscriptions<S: InboxStore>(store: Arc<S>) {
         record("other", "orders", "other-group").await,
         None,
         "another consumer"
+    );
+}
+
+/// The delete path of the consumer's retention ([`InboxStore::retention_pool`], the janitor's
+/// [`InboxSweep`](txinbox::ops::retention::InboxSweep), the statements of `txinbox purge`):
+/// terminal rows (processed, dead-lettered) older than the window are deleted, in batches;
+/// recent rows, `retrying` rows and rows at or after the stored position of their lane are
+/// kept; a deleted ID is new again, a kept one still a duplicate; the horizon is recorded.
+/// For stores that support retention: panics when `retention_pool` is `None`.
+pub async fn retention<S>(store: Arc<S>)
+where
+    S: InboxStore,
+    for<'c> &'c mut <S::Db as sqlx::Database>::Connection: sqlx::Executor<'c, Database = S::Db>,
+{
+    use txinbox::janitor::{Janitor, Schedule};
+    use txinbox::ops::retention::{horizon, InboxSweep};
+
+    let c = "retention";
+    let pool = store
+        .retention_pool()
+        .expect("retention_pool: the store supports the consumer's retention");
+    // Partition 1 of "orders", offsets chosen: the stored position is 10.
+    let at = |id: &str, offset: i64| {
+        let msg =
+            Message::new(format!("p-{id}"), Origin::new("memory", "orders").at(1, offset)).with_native_id(id);
+        let id = IdStrategy::Native.derive(&msg).unwrap();
+        let fp = txinbox::message::Fingerprint::PayloadBytes.of(&msg);
+        Keyed { msg, id, fp }
+    };
+    let (old1, old2, old3, dead) = (at("old-1", 1), at("old-2", 2), at("old-3", 3), at("old-dead", 4));
+    let (retrying, pinned, fresh) = (at("retrying", 5), at("pinned", 10), at("fresh", 11));
+    for k in [&old1, &old2, &old3, &pinned] {
+        assert_eq!(claim(&*store, &k.entry(c), true).await, Claim::New { attempt: 1 });
+    }
+    let record = DeadLetterRecord {
+        consumer: c,
+        entry: Some(dead.entry(c)),
+        message: &dead.msg,
+        reason: DeadLetterReason::Permanent,
+        error: "bad",
+        attempts: 1,
+        payload_limit: 1 << 20,
+    };
+    assert_eq!(
+        store.dead_letter(&record).await.unwrap(),
+        DeadLetterOutcome::Recorded
+    );
+    assert_eq!(
+        store.record_failure(&retrying.entry(c), "once").await.unwrap(),
+        Some(1)
+    );
+    let mut tx = store.begin().await.unwrap();
+    let position = Position {
+        source: "orders".into(),
+        lane: "1".into(),
+        next: 10,
+    };
+    store.save_position(&mut *tx, c, &position).await.unwrap();
+    store.commit(tx).await.unwrap();
+    // Everything above is older than the window; `fresh` is not.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        claim(&*store, &fresh.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+
+    let schedule = Schedule {
+        batch: 2,
+        pause: Duration::ZERO,
+        ..Schedule::default()
+    };
+    let sweep = InboxSweep::new(pool.clone(), c, Duration::from_millis(400));
+    let janitor = Janitor::new(sweep, schedule, "inbox", Some(("consumer", c))).unwrap();
+    assert_eq!(
+        janitor.pass().await.unwrap(),
+        4,
+        "the processed and dead-lettered rows before the position, in batches of 2"
+    );
+    assert_eq!(janitor.pass().await.unwrap(), 0, "nothing left to delete");
+    assert!(
+        horizon(pool.db(), c).await.unwrap().is_some(),
+        "the horizon is recorded"
+    );
+
+    // A deleted ID is new again; kept ones are what they were.
+    for k in [&old1, &dead] {
+        assert_eq!(
+            claim(&*store, &k.entry(c), false).await,
+            Claim::New { attempt: 1 }
+        );
+    }
+    assert_eq!(
+        claim(&*store, &pinned.entry(c), false).await,
+        Claim::Duplicate(InboxStatus::Processed),
+        "at the stored position: a restart reads it again"
+    );
+    assert_eq!(
+        claim(&*store, &fresh.entry(c), false).await,
+        Claim::Duplicate(InboxStatus::Processed),
+        "inside the window"
+    );
+    assert_eq!(
+        claim(&*store, &retrying.entry(c), false).await,
+        Claim::New { attempt: 2 },
+        "a retrying row is never deleted: its attempt count goes on"
     );
 }

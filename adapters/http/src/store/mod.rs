@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
+use txinbox::janitor::{Janitor, Schedule, Sweep};
 use txinbox::sqlx::{self, Pool, Postgres, Sqlite, Transaction};
 
 pub(crate) mod postgres;
@@ -109,7 +110,10 @@ pub trait Backend: sqlx::Database + txinbox::TrackedDatabase + sealed::Sealed {
     fn classify(e: &sqlx::Error) -> Failure;
 
     #[doc(hidden)]
-    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+    fn purge_batch(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn overdue(pool: &Pool<Self>) -> impl Future<Output = Result<Option<f64>, sqlx::Error>> + Send;
 }
 
 impl Backend for Postgres {
@@ -141,8 +145,12 @@ impl Backend for Postgres {
         postgres::classify(e)
     }
 
-    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
-        postgres::purge_expired(pool, batch)
+    fn purge_batch(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
+        postgres::purge_batch(pool, batch)
+    }
+
+    fn overdue(pool: &Pool<Self>) -> impl Future<Output = Result<Option<f64>, sqlx::Error>> + Send {
+        postgres::overdue(pool)
     }
 }
 
@@ -175,18 +183,62 @@ impl Backend for Sqlite {
         sqlite::classify(e)
     }
 
-    fn purge_expired(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
-        sqlite::purge_expired(pool, batch)
+    fn purge_batch(pool: &Pool<Self>, batch: i64) -> impl Future<Output = Result<u64, sqlx::Error>> + Send {
+        sqlite::purge_batch(pool, batch)
+    }
+
+    fn overdue(pool: &Pool<Self>) -> impl Future<Output = Result<Option<f64>, sqlx::Error>> + Send {
+        sqlite::overdue(pool)
     }
 }
 
 /// Deletes expired idempotency records, `batch` rows per statement, until none is left;
-/// returns how many were deleted.
+/// returns how many were deleted. One pass of [`janitor`], without pauses: what
+/// `txinbox http purge` runs.
 ///
 /// After expiry a key is new again: a retry with it runs the handler. So the TTL
 /// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
 /// the longest time a client may retry. Safe to run while requests are served: a record being
 /// taken over right now is skipped (PostgreSQL: locked; both: re-checked on delete).
 pub async fn purge_expired<DB: Backend>(pool: &Pool<DB>, batch: i64) -> Result<u64, sqlx::Error> {
-    DB::purge_expired(pool, batch).await
+    let schedule = Schedule {
+        batch: u32::try_from(batch.max(1)).unwrap_or(u32::MAX),
+        pause: Duration::ZERO,
+        ..Schedule::default()
+    };
+    janitor(pool.clone(), schedule)
+        .map_err(|e| sqlx::Error::Configuration(e.into()))?
+        .pass()
+        .await
+}
+
+/// Expired Idempotency-Key records as a [`Sweep`]: deleted in batches, oldest expiry first;
+/// its oldest-row clock is the expiry (`txinbox_retention_oldest_row_age_seconds` is how long
+/// the earliest expired record has been overdue, 0 when none).
+#[derive(Debug)]
+pub struct IdempotencySweep<DB: Backend> {
+    pool: Pool<DB>,
+}
+
+#[txinbox::async_trait]
+impl<DB: Backend> Sweep for IdempotencySweep<DB> {
+    async fn delete_batch(&self, batch: u32) -> Result<u64, sqlx::Error> {
+        DB::purge_batch(&self.pool, i64::from(batch)).await
+    }
+
+    async fn oldest_age(&self) -> Result<Option<Duration>, sqlx::Error> {
+        Ok(DB::overdue(&self.pool)
+            .await?
+            .map(|s| Duration::from_secs_f64(s.max(0.0))))
+    }
+}
+
+/// The retention of Idempotency-Key records while a service runs: a [`Janitor`] (the one
+/// mechanism txinbox's inbox and outbox retention use) that deletes expired records on
+/// `schedule` (metrics with `table="http_idempotency"`). Run it beside the server:
+/// `let running = Arc::new(janitor(pool, Schedule::default())?).spawn();` and
+/// `running.stop().await` at shutdown. Deleting expired records changes no answer (an expired
+/// key is new again either way): it only frees space.
+pub fn janitor<DB: Backend>(pool: Pool<DB>, schedule: Schedule) -> Result<Janitor, String> {
+    Janitor::new(IdempotencySweep { pool }, schedule, "http_idempotency", None)
 }

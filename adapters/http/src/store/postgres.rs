@@ -153,32 +153,32 @@ pub(crate) fn classify(e: &sqlx::Error) -> Failure {
     }
 }
 
-/// Deletes expired idempotency records, `batch` rows per statement, until none is left;
-/// returns how many were deleted.
-///
-/// After expiry a key is new again: a retry with it runs the handler. So the TTL
-/// ([`IdempotencyLayer::ttl`](crate::IdempotencyLayer::ttl), 24 h by default) must exceed
-/// the longest time a client may retry. Safe to run while requests are served: a record being
-/// re-claimed right now is locked (skipped) and gets a new expiry.
-pub(crate) async fn purge_expired(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
-    let mut total = 0;
-    loop {
-        let deleted = sqlx::query(
-            "DELETE FROM txinbox.http_idempotency AS h
-             WHERE (h.principal, h.route, h.idempotency_key) IN (
-                 SELECT principal, route, idempotency_key FROM txinbox.http_idempotency
-                 WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)
-               AND h.expires_at <= now()",
-        )
-        .bind(batch.max(1))
-        .execute(pool)
-        .await?
-        .rows_affected();
-        total += deleted;
-        if deleted < batch.max(1) as u64 {
-            return Ok(total);
-        }
-    }
+/// Deletes up to `batch` expired idempotency records in one statement; returns how many.
+/// A record being re-claimed right now is locked (skipped) and gets a new expiry; the outer
+/// condition re-checks the expiry of each row it deletes.
+pub(crate) async fn purge_batch(pool: &PgPool, batch: i64) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "DELETE FROM txinbox.http_idempotency AS h
+         WHERE (h.principal, h.route, h.idempotency_key) IN (
+             SELECT principal, route, idempotency_key FROM txinbox.http_idempotency
+             WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)
+           AND h.expires_at <= now()",
+    )
+    .bind(batch.max(1))
+    .execute(pool)
+    .await?
+    .rows_affected())
+}
+
+/// Seconds since the earliest expiry (along `http_idempotency_expires_idx`), `None` when no
+/// record has expired.
+pub(crate) async fn overdue(pool: &PgPool) -> Result<Option<f64>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM now() - min(expires_at))::float8
+         FROM txinbox.http_idempotency WHERE expires_at <= now()",
+    )
+    .fetch_one(pool)
+    .await
 }
 
 #[cfg(test)]

@@ -151,8 +151,8 @@ pub(crate) fn classify(e: &sqlx::Error) -> Failure {
     }
 }
 
-pub(crate) async fn purge_expired(pool: &SqlitePool, batch: i64) -> Result<u64, sqlx::Error> {
-    let batch = batch.max(1);
+/// Deletes up to `batch` expired idempotency records in one statement; returns how many.
+pub(crate) async fn purge_batch(pool: &SqlitePool, batch: i64) -> Result<u64, sqlx::Error> {
     let delete = format!(
         "DELETE FROM txinbox_http_idempotency
          WHERE (principal, route, idempotency_key) IN (
@@ -160,18 +160,19 @@ pub(crate) async fn purge_expired(pool: &SqlitePool, batch: i64) -> Result<u64, 
              WHERE expires_at <= {NOW_MS} LIMIT ?1)
            AND expires_at <= {NOW_MS}"
     );
-    let mut total = 0;
-    loop {
-        let deleted = sqlx::query(sqlx::AssertSqlSafe(delete.clone()))
-            .bind(batch)
-            .execute(pool)
-            .await?
-            .rows_affected();
-        total += deleted;
-        if deleted < batch as u64 {
-            return Ok(total);
-        }
-    }
+    Ok(sqlx::query(sqlx::AssertSqlSafe(delete))
+        .bind(batch.max(1))
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+/// Seconds since the earliest expiry, `None` when no record has expired.
+pub(crate) async fn overdue(pool: &SqlitePool) -> Result<Option<f64>, sqlx::Error> {
+    let sql = format!(
+        "SELECT ({NOW_MS} - min(expires_at)) / 1000.0 FROM txinbox_http_idempotency WHERE expires_at <= {NOW_MS}"
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await
 }
 
 #[cfg(test)]
