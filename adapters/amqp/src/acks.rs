@@ -163,6 +163,10 @@ pub(crate) async fn flush(acks: Arc<Acks>, channel: Channel, publish_timeout: Du
             (planned, ending, state.tracker.next_due(now))
         };
         let busy = !planned.is_empty();
+        // One deadline for the whole plan: a settlement waits at most `publish_timeout` for its
+        // frame, however many frames go before it (a connection that cannot write, e.g. under a
+        // resource alarm, would otherwise cost one timeout per frame).
+        let deadline = tokio::time::Instant::now() + publish_timeout;
         for ack in planned {
             let send = channel.basic_ack(
                 ack.tag,
@@ -170,7 +174,7 @@ pub(crate) async fn flush(acks: Arc<Acks>, channel: Channel, publish_timeout: Du
                     multiple: ack.multiple,
                 },
             );
-            let sent = match tokio::time::timeout(publish_timeout, send).await {
+            let sent = match tokio::time::timeout_at(deadline, send).await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(NotSent::Error(e.to_string())),
                 Err(_) => Err(NotSent::Timeout),

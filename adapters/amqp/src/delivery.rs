@@ -77,7 +77,8 @@ impl AmqpDelivery {
             message = message.with_native_id(id.as_str());
         }
         // lapin numbers a channel's deliveries in order; a tag out of order would be a lapin or
-        // broker bug. Such a delivery is never acked (its settlements fail) and is redelivered.
+        // broker bug. Such a delivery is never acked (its settlements fail), no multiple ack
+        // covers it (the tracker keeps it as a hole), and the broker redelivers it.
         if !generation.acks.receive(d.delivery_tag) {
             tracing::error!(
                 queue = %shared.queue,

@@ -6,7 +6,7 @@
 //! | `txinbox_amqp_reconnects_total` | counter | a lost connection, channel or consumer was rebuilt |
 //! | `txinbox_amqp_connected` | gauge | 1 while a consumer is registered, else 0 |
 //! | `txinbox_amqp_queue_depth` | gauge | messages ready in the work queue as the broker reports them (passive `queue.declare` every 5 s on a channel of its own; excludes delivered-unacked ones) |
-//! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel`, `not_sent` (lapin returned `Ok(false)`), `error`, `timeout`. The message is redelivered and deduplicated |
+//! | `txinbox_amqp_ack_not_sent_total` | counter | an ack after commit was not sent; label `cause`: `stale_channel` (the channel was gone before the frame was sent), `error` (lapin refused the frame, e.g. as the channel closed), `timeout` (`publish_timeout`). The message is redelivered and deduplicated |
 //! | `txinbox_amqp_publish_failures_total` | counter | a retry, dead-letter or fresh copy was not confirmed; labels `kind` (`retry`, `dead_letter`, `fresh_copy`) and `cause` (`unroutable`, `nack`, `error`, `timeout`) |
 //! | `txinbox_amqp_published_total` | counter | retry, dead-letter or fresh copies confirmed by the broker; label `kind`. A `fresh_copy` replaces a delivery of a quorum queue near its delivery limit ([`AmqpConfig::delivery_limit`](crate::AmqpConfig::delivery_limit)) |
 //! | `txinbox_amqp_requeued_total` | counter | originals given back with `basic.nack(requeue)` after a failed copy, or instead of a retry copy that would not fit in a frame |

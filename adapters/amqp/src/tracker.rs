@@ -78,8 +78,16 @@ impl<W> AckTracker<W> {
 
     /// Records a delivered tag. The broker numbers a channel's deliveries 1, 2, 3, …; a tag not
     /// above the last one is refused (`false`) and must not be settled through this tracker.
+    /// The broker still counts a refused tag outstanding, so it stays a hole that never fills
+    /// (as if dropped): no multiple ack passes it, and the broker redelivers it when the
+    /// channel closes.
     pub(crate) fn receive(&mut self, tag: u64) -> bool {
         if tag <= self.last_received {
+            if tag != 0 && !self.outstanding.contains_key(&tag) {
+                self.outstanding.insert(tag, Slot::Abandoned);
+                self.abandoned.insert(tag);
+                self.rescan = true;
+            }
             return false;
         }
         self.last_received = tag;
@@ -495,5 +503,28 @@ mod tests {
         );
         tracker.release(1);
         assert!(!tracker.owes());
+    }
+
+    /// A tag out of order (a lapin or broker bug) is refused, yet the broker counts it
+    /// outstanding: no multiple ack may pass it.
+    #[test]
+    fn a_tag_out_of_order_is_a_hole_no_multiple_ack_passes() {
+        let t0 = Instant::now();
+        let mut tracker = AckTracker::<u64>::new(WINDOW);
+        assert!(tracker.receive(1));
+        assert!(tracker.receive(3));
+        assert!(
+            !tracker.receive(2),
+            "refused: it cannot be settled through the tracker"
+        );
+        assert!(tracker.settle(2, t0, 2).is_err());
+        tracker.settle(1, t0, 1).unwrap();
+        tracker.settle(3, t0, 3).unwrap();
+        let acks = tracker.due(t0 + WINDOW, true);
+        assert_eq!(
+            acks.iter().map(|a| (a.tag, a.multiple)).collect::<Vec<_>>(),
+            [(1, false), (3, false)],
+            "ack(3, multiple) would cover tag 2, still in its handler"
+        );
     }
 }
