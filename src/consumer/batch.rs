@@ -223,13 +223,13 @@ where
     async fn batch_attempt<D: Delivery>(&self, batch: &[Item<D>]) -> Result<Trip, StoreError> {
         let store = &self.store;
         let entries: Vec<Entry<'_>> = batch.iter().map(|i| i.entry(&self.name)).collect();
-        // A batch handler takes the batch in one call: there is nothing between handlers to stop at.
-        let bounded = self.batch_max_duration.filter(|_| self.handler.batch().is_none());
+        // None for a batch handler (see `ConsumerBuilder::build`): it takes the batch in one call.
+        let bounded = self.batch_max_duration;
         let started = Instant::now();
         // NOTE: as in `attempt`, BEGIN and COMMIT are never raced against a timer (sqlx #4393).
         let mut tx = store.begin().await?;
         let first = match bounded {
-            Some(max) => self.chunk_for(max, batch.len()),
+            Some(max) => self.chunk_for(max, batch.len(), 0),
             None => batch.len(),
         };
         let mut claims = store.claim_batch(&mut *tx, &entries[..first]).await?;
@@ -326,7 +326,7 @@ where
                     break;
                 }
                 // The duration has not passed: the next chunk, sized to the time left.
-                let n = self.chunk_for(max - elapsed, batch.len() - taken);
+                let n = self.chunk_for(max - elapsed, batch.len() - taken, taken);
                 let more = match store.claim_batch(&mut *tx, &entries[taken..taken + n]).await {
                     Ok(more) => more,
                     Err(e) => {

@@ -319,11 +319,17 @@ where
                 "batch_size must be at least 1 (1 turns micro-batching off)".into(),
             ));
         }
-        if self.batch_max_duration.is_some_and(|d| d.is_zero()) {
+        if self
+            .batch_max_duration
+            .is_some_and(|d| d < Duration::from_millis(1))
+        {
             return Err(Error::Config(
-                "batch_max_duration must be more than zero (batch_size 1 turns micro-batching off)".into(),
+                "batch_max_duration must be at least 1 ms (a shorter one would bound every batch to one message: batch_size 1 says that)".into(),
             ));
         }
+        // A batch handler receives its batch in one call, which nothing interrupts: the bound
+        // neither cuts nor sizes its batches (nor does a lone message's pace shrink them).
+        let batch_max_duration = self.batch_max_duration.filter(|_| self.handler.batch().is_none());
         if self.max_message_bytes == 0 {
             return Err(Error::Config("max_message_bytes must be at least 1".into()));
         }
@@ -351,7 +357,7 @@ where
             contended_at: AtomicU64::new(0),
             started: std::time::Instant::now() - CONTENTION_COOLDOWN,
             batch_linger: self.batch_linger,
-            batch_max_duration: self.batch_max_duration,
+            batch_max_duration,
             handler_pace: AtomicU64::new(0),
             concurrency: Semaphore::new(self.concurrency),
             concurrency_limit: self.concurrency,

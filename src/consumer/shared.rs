@@ -39,7 +39,8 @@ pub(crate) struct Shared<St, H> {
     pub(super) contended_at: AtomicU64,
     pub(super) started: std::time::Instant,
     pub(super) batch_linger: Duration,
-    /// [`ConsumerBuilder::batch_max_duration`](super::ConsumerBuilder::batch_max_duration).
+    /// [`ConsumerBuilder::batch_max_duration`](super::ConsumerBuilder::batch_max_duration);
+    /// `None` for a batch handler.
     pub(super) batch_max_duration: Option<Duration>,
     /// The handlers' recent pace: the mean duration of one handler call in the latest bounded
     /// batch, in nanoseconds (0: none measured yet). Sizes a bounded batch's chunks.
@@ -133,23 +134,37 @@ impl<St, H> Shared<St, H> {
     }
 
     /// How many more messages a batch bounded by its duration claims with `time_left` until the
-    /// duration has passed, of `left` not yet claimed: as many as the handlers' recent pace fits
-    /// (at least one: the duration has not passed), or one while no pace is known.
-    pub(super) fn chunk_for(&self, time_left: Duration, left: usize) -> usize {
+    /// duration has passed, of `left` not yet claimed and `taken` already claimed: as many as
+    /// the handlers' recent pace fits (at least one: the duration has not passed). While no
+    /// pace is known (no handler has run yet: a fresh consumer, or a replay of duplicates), as
+    /// many as were taken already, at least one: the chunks double, so a batch of duplicates
+    /// costs a few claim statements, not one per message.
+    pub(super) fn chunk_for(&self, time_left: Duration, left: usize, taken: usize) -> usize {
         let pace = self.handler_pace.load(Ordering::Relaxed);
         let fits = if pace == 0 {
-            1
+            taken
         } else {
             usize::try_from(time_left.as_nanos() / u128::from(pace)).unwrap_or(usize::MAX)
         };
         fits.clamp(1, left.max(1))
     }
 
-    /// Records the pace of a bounded batch's handlers: `calls` calls took `total`.
+    /// Records the pace of a bounded batch's handlers: `calls` calls took `total`. A slower
+    /// pace is taken at once, a faster one only an eighth of the way: a few fast calls (a
+    /// handler that returns early for an event it ignores) must not size the next batch of
+    /// slow ones far past the duration.
     pub(super) fn note_handler_pace(&self, total: Duration, calls: u32) {
         if calls > 0 {
-            let nanos = (total.as_nanos() / u128::from(calls)).clamp(1, u128::from(u64::MAX));
-            self.handler_pace.store(nanos as u64, Ordering::Relaxed);
+            let nanos = (total.as_nanos() / u128::from(calls)).clamp(1, u128::from(u64::MAX)) as u64;
+            let _ = self
+                .handler_pace
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                    Some(if old == 0 || nanos >= old {
+                        nanos
+                    } else {
+                        old - (old - nanos) / 8
+                    })
+                });
         }
     }
 

@@ -534,7 +534,7 @@ const SLEEP: Duration = Duration::from_millis(5);
 
 #[txinbox::async_trait]
 impl Handler<Postgres> for Sleepy {
-    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, msg: &Message) -> Result<(), HandlerError> {
         let id = cx.message_id().to_string();
         sqlx::query(
             "INSERT INTO batch_effects (message_id, txid, ran_ms, at_ms)
@@ -544,7 +544,10 @@ impl Handler<Postgres> for Sleepy {
         .bind(&id)
         .execute(cx.db())
         .await?;
-        tokio::time::sleep(SLEEP).await;
+        // "fast": an event the handler ignores, returning at once.
+        if msg.payload() != "fast" {
+            tokio::time::sleep(SLEEP).await;
+        }
         Ok(())
     }
 }
@@ -681,5 +684,150 @@ async fn a_burst_of_slow_unordered_messages_spreads_over_concurrent_bounded_batc
     assert!(
         overlapping,
         "the burst's transactions ran side by side, not one after another: {spans:?}"
+    );
+}
+
+/// Transaction sizes of `batch_effects` rows other than `except`, in commit order.
+async fn transaction_sizes(pool: &sqlx::PgPool, except: &[&str]) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM batch_effects WHERE NOT (message_id = ANY($1))
+         GROUP BY txid ORDER BY min(seq)",
+    )
+    .bind(except)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Waits until `broker` has acked `n` messages (20 s at most).
+async fn acked(broker: &MemoryBroker, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while broker.stats().acked < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} settled",
+            broker.stats().acked
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The handlers' pace follows a slower handler at once and a faster one only slowly: two
+/// events the handler ignores (returning at once) after a slow one must not size the next
+/// batch of slow messages as if they were fast. Before, the last call set the pace alone: the
+/// 60 slow messages were claimed in one chunk and ran in one 300 ms transaction against a
+/// 50 ms bound.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_few_fast_calls_do_not_let_the_next_slow_batch_run_far_past_its_duration() {
+    let db = db().await;
+    sqlx::raw_sql("ALTER TABLE batch_effects ADD COLUMN ran_ms float8, ADD COLUMN at_ms float8")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let broker = MemoryBroker::new("batch");
+    let max = Duration::from_millis(50);
+    let consumer = Consumer::builder("bounded-mixed")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(Sleepy)
+        .batch_size(1000)
+        .max_in_flight(1000)
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(max)
+        .build()
+        .unwrap();
+    let running = tokio::spawn(consumer.run());
+    broker.publish_in_lane("l", "slow-0", "p");
+    acked(&broker, 1).await;
+    broker.publish_in_lane("l", "fast-1", "fast");
+    acked(&broker, 2).await;
+    broker.publish_in_lane("l", "fast-2", "fast");
+    acked(&broker, 3).await;
+    for i in 0..60 {
+        broker.publish_in_lane("l", format!("m{i:02}"), "p");
+    }
+    acked(&broker, 63).await;
+    running.abort();
+
+    let sizes = transaction_sizes(&db.pool, &["slow-0", "fast-1", "fast-2"]).await;
+    assert_eq!(sizes.iter().sum::<i64>(), 60, "every message once: {sizes:?}");
+    // The pace moved an eighth of the way toward "fast" per call: ~3.8 ms instead of 5, so a
+    // first chunk of ~13; twice what fits at the true pace, plus the last chunk's one, at most.
+    let most = 2 * (max.as_millis() / SLEEP.as_millis()) as i64 + 1;
+    assert!(
+        sizes.iter().all(|&n| n <= most),
+        "no transaction of 5 ms handlers holds more than {most} under a 50 ms bound: {sizes:?}"
+    );
+}
+
+/// A batch handler: alone, a message takes 60 ms; a batch is one call that records its size.
+#[derive(Clone, Default)]
+struct SlowAlone {
+    sizes: Arc<Mutex<Vec<usize>>>,
+}
+
+#[txinbox::async_trait]
+impl Handler<Postgres> for SlowAlone {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().to_string();
+        record(cx.db(), &id).await?;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        Ok(())
+    }
+    fn batch(&self) -> Option<&dyn BatchHandler<Postgres>> {
+        Some(self)
+    }
+}
+
+#[txinbox::async_trait]
+impl BatchHandler<Postgres> for SlowAlone {
+    async fn handle_batch(
+        &self,
+        cx: &mut BatchContext<'_, Postgres>,
+        batch: &[BatchMessage<'_>],
+    ) -> Result<(), HandlerError> {
+        self.sizes.lock().unwrap().push(batch.len());
+        for m in batch {
+            record(cx.db(), m.id().as_str()).await?;
+        }
+        Ok(())
+    }
+}
+
+/// `batch_max_duration` has no effect on a batch handler's batches, as documented: a lone
+/// message whose `handle` took longer than the bound must not turn its batching off. Before,
+/// the lone call set a pace of 60 ms, and every later task took one message at a time.
+#[tokio::test(flavor = "multi_thread")]
+async fn batch_max_duration_leaves_a_batch_handlers_batches_whole() {
+    let db = db().await;
+    let broker = MemoryBroker::new("batch");
+    let handler = SlowAlone::default();
+    let consumer = Consumer::builder("bounded-batch-handler")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(handler.clone())
+        .batch_size(1000)
+        .max_in_flight(1000)
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    let running = tokio::spawn(consumer.run());
+    broker.publish_in_lane("l", "alone", "p");
+    acked(&broker, 1).await;
+    for i in 0..50 {
+        broker.publish_in_lane("l", format!("m{i:02}"), "p");
+    }
+    acked(&broker, 51).await;
+    running.abort();
+    let sizes = handler.sizes.lock().unwrap().clone();
+    assert_eq!(
+        sizes.iter().sum::<usize>(),
+        50,
+        "the 50 went through handle_batch: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().any(|&n| n > 1),
+        "batches of more than one message: {sizes:?}"
     );
 }
