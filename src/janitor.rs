@@ -213,10 +213,15 @@ impl Janitor {
             match self.pass_until(&stop).await {
                 Ok(0) => {}
                 Ok(deleted) => tracing::debug!(janitor = %self.what, deleted, "retention pass done"),
+                // Counted either way: a janitor that keeps failing (a pool too small for it, a
+                // database away for long) lets the table grow, and the oldest-row gauge keeps
+                // its last value meanwhile; alert on this counter.
                 Err(e) if crate::store::is_unavailable(&e) => {
-                    tracing::debug!(janitor = %self.what, error = %e, "retention pass found the database unavailable; trying again after the interval")
+                    self.metrics.failed.increment(1);
+                    tracing::info!(janitor = %self.what, error = %e, "retention pass found the database unavailable; trying again after the interval")
                 }
                 Err(e) => {
+                    self.metrics.failed.increment(1);
                     tracing::warn!(janitor = %self.what, error = %e, "retention pass failed; trying again after the interval")
                 }
             }
@@ -273,6 +278,7 @@ struct Metrics {
     deleted: Counter,
     oldest_age: Gauge,
     batch_duration: Histogram,
+    failed: Counter,
 }
 
 impl Metrics {
@@ -289,6 +295,7 @@ impl Metrics {
             deleted: metrics::counter!(telemetry::RETENTION_DELETED, &labels()),
             oldest_age: metrics::gauge!(telemetry::RETENTION_OLDEST_ROW_AGE, &labels()),
             batch_duration: metrics::histogram!(telemetry::RETENTION_BATCH_DURATION, &labels()),
+            failed: metrics::counter!(telemetry::RETENTION_FAILED_PASSES, &labels()),
         }
     }
 }

@@ -77,6 +77,8 @@ pub const RETENTION_DELETED: &str = "txinbox_retention_deleted_total";
 pub const RETENTION_OLDEST_ROW_AGE: &str = "txinbox_retention_oldest_row_age_seconds";
 /// Histogram: time in seconds of one retention `DELETE`, by `table`.
 pub const RETENTION_BATCH_DURATION: &str = "txinbox_retention_batch_duration_seconds";
+/// Counter: retention passes that failed (and are tried again after the interval), by `table`.
+pub const RETENTION_FAILED_PASSES: &str = "txinbox_retention_failed_passes_total";
 
 /// One consumer's metric handles, resolved once when it is built: the per-message path only
 /// increments them (no label allocation, no registry lookup).
@@ -165,6 +167,10 @@ fn describe() {
 pub(crate) fn describe_retention() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(RETENTION_DELETED, "Rows deleted by retention");
+    describe_counter!(
+        RETENTION_FAILED_PASSES,
+        "Retention passes that failed and are tried again after the interval"
+    );
     describe_gauge!(
         RETENTION_OLDEST_ROW_AGE,
         Unit::Seconds,

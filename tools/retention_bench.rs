@@ -118,7 +118,8 @@ impl Bench {
             ..Schedule::default()
         };
         let sweep = Timed {
-            inner: InboxSweep::new(DbPool::Postgres(self.pool.clone()), CONSUMER, WINDOW),
+            inner: InboxSweep::new(DbPool::Postgres(self.pool.clone()), CONSUMER, WINDOW)
+                .expect("7 days passes the guard"),
             batches: self.batches.clone(),
         };
         Janitor::new(sweep, schedule, "inbox", Some(("consumer", CONSUMER))).expect("a valid schedule")

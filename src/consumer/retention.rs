@@ -80,7 +80,8 @@ impl Retention {
                         .into(),
                 )
             })?;
-            let sweep = crate::ops::retention::InboxSweep::new(pool, consumer, self.window);
+            // Checked above, warnings logged.
+            let sweep = crate::ops::retention::InboxSweep::forced(pool, consumer, self.window);
             Janitor::new(sweep, self.schedule, "inbox", Some(("consumer", consumer))).map_err(Error::Config)
         }
         #[cfg(not(feature = "postgres"))]

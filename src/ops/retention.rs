@@ -147,6 +147,22 @@ pub async fn plan<'a>(
     })
 }
 
+/// Whether a purge of `consumer` with `cutoff` would delete anything (stops at the first row).
+async fn any_purgeable(db: Db<'_>, consumer: &str, cutoff: Timestamp) -> Result<bool, sqlx::Error> {
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {} i WHERE {})",
+        db.table("inbox"),
+        purgeable(db)
+    );
+    on_db!(db, pool => {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+            .bind(consumer)
+            .bind(cutoff.0)
+            .fetch_one(pool)
+            .await
+    })
+}
+
 /// Age of `consumer`'s oldest terminal inbox row, by `processed_at` (one lookup along
 /// `inbox_processed_at_idx`); `None` when it has none.
 pub async fn oldest_terminal_age<'a>(
@@ -184,9 +200,18 @@ pub struct InboxSweep {
 }
 
 impl InboxSweep {
-    /// Purges `consumer`'s rows older than `window` in `pool`'s database. Check the window
-    /// first ([`check_window`]).
-    pub fn new(pool: DbPool, consumer: impl Into<String>, window: Duration) -> Self {
+    /// Purges `consumer`'s rows older than `window` in `pool`'s database. A window inside the
+    /// dedup window is refused, with the error of [`check_window`]; [`forced`](Self::forced)
+    /// takes it anyway.
+    pub fn new(pool: DbPool, consumer: impl Into<String>, window: Duration) -> Result<Self, String> {
+        check_window(window, false, None)?;
+        Ok(Self::forced(pool, consumer, window))
+    }
+
+    /// As [`new`](Self::new), without the guard: a redelivery, replay or requeue of a message
+    /// whose row this purged runs its handler again. For tests, and for an operator who has
+    /// decided that is acceptable (the consumer's `Retention::force`).
+    pub fn forced(pool: DbPool, consumer: impl Into<String>, window: Duration) -> Self {
         InboxSweep {
             pool,
             consumer: consumer.into(),
@@ -201,6 +226,13 @@ impl crate::janitor::Sweep for InboxSweep {
     async fn start_pass(&self) -> Result<(), sqlx::Error> {
         let db = self.pool.db();
         let cutoff = cutoff(db, self.window).await?;
+        // As `txinbox purge`: the horizon moves only when something will be deleted. Moved on
+        // every pass, it would refuse every `txinbox positions set/adopt` whose confirmation
+        // spans a pass ("a purge moved the retention horizon while the plan was made").
+        if !any_purgeable(db, &self.consumer, cutoff).await? {
+            *self.cutoff.lock().unwrap() = None;
+            return Ok(());
+        }
         // The horizon first: a replay checked meanwhile already refuses the purged range.
         record_horizon(db, &self.consumer, cutoff).await?;
         *self.cutoff.lock().unwrap() = Some(cutoff);

@@ -249,3 +249,31 @@ async fn retention_commits_batch_by_batch_and_stops_with_the_consumer() {
         "nothing is deleted once the consumer stopped"
     );
 }
+
+/// A pass with nothing to delete leaves the retention horizon where it was, as `txinbox purge`
+/// does: moved on every pass, it refused every `txinbox positions set/adopt` whose
+/// confirmation spanned a pass ("a purge moved the retention horizon while the plan was
+/// made"). And the guard holds on the janitor's own constructor, not only on the builder.
+#[tokio::test]
+async fn a_pass_with_nothing_to_delete_leaves_the_horizon_and_the_guard_holds_on_the_sweep() {
+    use txinbox::janitor::Janitor;
+    use txinbox::ops::{retention::InboxSweep, DbPool};
+    let db = TestDb::new(4).await;
+    let name = "idle-janitor";
+    aged_rows(&db, name, "recent", 5, 1).await;
+    let pool = DbPool::Postgres(db.pool.clone());
+    assert!(
+        InboxSweep::new(pool.clone(), name, DAY).is_err(),
+        "a one-day window is inside the dedup window"
+    );
+    let sweep = InboxSweep::new(pool.clone(), name, 7 * DAY).unwrap();
+    let janitor = Janitor::new(sweep, Schedule::default(), "inbox", Some(("consumer", name))).unwrap();
+    assert_eq!(janitor.pass().await.unwrap(), 0);
+    let horizon = txinbox::ops::retention::horizon(&db.pool, name).await.unwrap();
+    assert!(horizon.is_none(), "nothing was deleted: no horizon ({horizon:?})");
+    aged_rows(&db, name, "old", 3, 8).await;
+    assert_eq!(janitor.pass().await.unwrap(), 3);
+    let horizon = txinbox::ops::retention::horizon(&db.pool, name).await.unwrap();
+    assert!(horizon.is_some(), "a pass that deletes records the horizon first");
+    assert_eq!(rows_like(&db, name, "recent-%").await, 5);
+}

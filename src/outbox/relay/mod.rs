@@ -127,7 +127,8 @@ use listen::{notified, read_queued, Listener};
 ///   back before them (a dead letter set to `pending` again) waits until that claim ends.
 /// - Row IDs follow commit order (one writer), so the late-committing row described above does
 ///   not exist.
-/// - A relay holds one connection at a time, and none while publishing.
+/// - A relay's rounds hold one connection at a time, and none while publishing; with
+///   retention on, its janitor takes a second one while a `DELETE` runs.
 pub struct Relay<P> {
     pool: OutboxPool,
     publisher: Arc<P>,

@@ -642,7 +642,11 @@ where
         pause: Duration::ZERO,
         ..Schedule::default()
     };
-    let sweep = InboxSweep::new(pool.clone(), c, Duration::from_millis(400));
+    let sweep = InboxSweep::forced(pool.clone(), c, Duration::from_millis(400));
+    assert!(
+        InboxSweep::new(pool.clone(), c, Duration::from_millis(400)).is_err(),
+        "a window inside the dedup window is refused unless forced"
+    );
     let janitor = Janitor::new(sweep, schedule, "inbox", Some(("consumer", c))).unwrap();
     assert_eq!(
         janitor.pass().await.unwrap(),
