@@ -358,7 +358,7 @@ where
             started: std::time::Instant::now() - CONTENTION_COOLDOWN,
             batch_linger: self.batch_linger,
             batch_max_duration,
-            handler_pace: AtomicU64::new(0),
+            handler_pace: Default::default(),
             concurrency: Semaphore::new(self.concurrency),
             concurrency_limit: self.concurrency,
             full_batch: (self.max_in_flight / self.concurrency).max(1),

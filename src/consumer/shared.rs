@@ -42,9 +42,8 @@ pub(crate) struct Shared<St, H> {
     /// [`ConsumerBuilder::batch_max_duration`](super::ConsumerBuilder::batch_max_duration);
     /// `None` for a batch handler.
     pub(super) batch_max_duration: Option<Duration>,
-    /// The handlers' recent pace: the mean duration of one handler call in the latest bounded
-    /// batch, in nanoseconds (0: none measured yet). Sizes a bounded batch's chunks.
-    pub(super) handler_pace: AtomicU64,
+    /// The handlers' recent pace (see [`Pace`]). Sizes a bounded batch's chunks.
+    pub(super) handler_pace: Pace,
     pub(crate) concurrency: Semaphore,
     pub(super) concurrency_limit: usize,
     /// `max_in_flight / concurrency` (at least 1): what the shared queue can hold for each
@@ -123,7 +122,7 @@ impl<St, H> Shared<St, H> {
     /// the lane's next task, which on the unordered queue can run beside it.
     pub(super) fn batch_take(&self) -> usize {
         let limit = self.batch_limit();
-        let pace = self.handler_pace.load(Ordering::Relaxed);
+        let pace = self.handler_pace.get();
         match self.batch_max_duration {
             Some(max) if pace > 0 => {
                 let fits = usize::try_from(max.as_nanos() / u128::from(pace)).unwrap_or(usize::MAX);
@@ -140,7 +139,7 @@ impl<St, H> Shared<St, H> {
     /// many as were taken already, at least one: the chunks double, so a batch of duplicates
     /// costs a few claim statements, not one per message.
     pub(super) fn chunk_for(&self, time_left: Duration, left: usize, taken: usize) -> usize {
-        let pace = self.handler_pace.load(Ordering::Relaxed);
+        let pace = self.handler_pace.get();
         let fits = if pace == 0 {
             taken
         } else {
@@ -149,22 +148,11 @@ impl<St, H> Shared<St, H> {
         fits.clamp(1, left.max(1))
     }
 
-    /// Records the pace of a bounded batch's handlers: `calls` calls took `total`. A slower
-    /// pace is taken at once, a faster one only an eighth of the way: a few fast calls (a
-    /// handler that returns early for an event it ignores) must not size the next batch of
-    /// slow ones far past the duration.
+    /// Records the pace of a bounded batch's handlers: `calls` calls took `total`.
     pub(super) fn note_handler_pace(&self, total: Duration, calls: u32) {
         if calls > 0 {
             let nanos = (total.as_nanos() / u128::from(calls)).clamp(1, u128::from(u64::MAX)) as u64;
-            let _ = self
-                .handler_pace
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
-                    Some(if old == 0 || nanos >= old {
-                        nanos
-                    } else {
-                        old - (old - nanos) / 8
-                    })
-                });
+            self.handler_pace.note(nanos);
         }
     }
 
@@ -174,5 +162,35 @@ impl<St, H> Shared<St, H> {
             _ = tokio::time::sleep(delay) => true,
             _ = self.shutdown.cancelled() => false,
         }
+    }
+}
+
+/// The handlers' pace: the slowest mean handler call of the last [`Pace::SAMPLES`] bounded
+/// batches (or lone calls), in nanoseconds; 0 while none was measured. The slowest, so that a
+/// few fast calls (events a handler ignores, returning at once) do not size the next batch of
+/// slow ones far past its duration; of the last few only, so that one slow outlier (a cold
+/// cache on the first call) is forgotten after a few batches.
+#[derive(Debug, Default)]
+pub(crate) struct Pace(Mutex<PaceSamples>);
+
+#[derive(Debug, Default)]
+struct PaceSamples {
+    samples: [u64; Pace::SAMPLES],
+    next: usize,
+}
+
+impl Pace {
+    const SAMPLES: usize = 4;
+
+    pub(super) fn get(&self) -> u64 {
+        let samples = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        samples.samples.iter().copied().max().unwrap_or(0)
+    }
+
+    pub(super) fn note(&self, nanos: u64) {
+        let mut samples = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = samples.next;
+        samples.samples[i] = nanos;
+        samples.next = (i + 1) % Self::SAMPLES;
     }
 }
