@@ -78,22 +78,7 @@ impl Bench {
                 batch_max_duration: bound,
                 ..Variant::default()
             };
-            let publisher = Publisher::Memory(broker.clone());
-            let mut row = self
-                .row_with(
-                    "memory",
-                    Mode::Batched,
-                    &name,
-                    broker.source(),
-                    publisher,
-                    None,
-                    load,
-                    variant,
-                )
-                .await?;
-            row.mode = mode;
-            print_row(&row);
-            rows.push(row);
+            rows.push(self.variant_row(mode, &name, broker, load, variant).await?);
         }
         Ok(())
     }
@@ -118,25 +103,37 @@ impl Bench {
                     track_lanes,
                     ..Variant::default()
                 };
-                let publisher = Publisher::Memory(broker.clone());
-                let mut row = self
-                    .row_with(
-                        "memory",
-                        Mode::Batched,
-                        &name,
-                        broker.source(),
-                        publisher,
-                        None,
-                        load,
-                        variant,
-                    )
-                    .await?;
-                row.mode = mode;
-                print_row(&row);
-                rows.push(row);
+                rows.push(self.variant_row(mode, &name, broker, load, variant).await?);
             }
         }
         Ok(())
+    }
+
+    /// One batched memory row under `variant`, printed, named `mode` in the table.
+    async fn variant_row(
+        &self,
+        mode: &'static str,
+        name: &str,
+        broker: MemoryBroker,
+        load: Load,
+        variant: Variant,
+    ) -> anyhow::Result<Row> {
+        let publisher = Publisher::Memory(broker.clone());
+        let mut row = self
+            .row_with(
+                "memory",
+                Mode::Batched,
+                name,
+                broker.source(),
+                publisher,
+                None,
+                load,
+                variant,
+            )
+            .await?;
+        row.mode = mode;
+        print_row(&row);
+        Ok(row)
     }
 
     pub(crate) async fn prefilled_row(&self, rows: &mut Vec<Row>) -> anyhow::Result<()> {
