@@ -54,6 +54,17 @@ pub trait PositionStore: Send + Sync + 'static {
         let _ = (consumer, system, source, subscription);
         Ok(None)
     }
+
+    /// Moves `consumer`'s stored next position in `position`'s lane forward to
+    /// `position.next`, never back, in a transaction of its own. For a source whose lanes
+    /// settle out of order (the position stored with each transaction's effects may trail what
+    /// is settled): it stores the final settled prefix when it gives a lane up, so the next
+    /// reader does not read again what was settled. Every position before `position.next` must
+    /// be settled. The default stores nothing.
+    async fn advance(&self, consumer: &str, position: &Position) -> Result<(), StoreError> {
+        let _ = (consumer, position);
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -70,6 +81,12 @@ impl<S: InboxStore> PositionStore for S {
         subscription: &str,
     ) -> Result<Option<String>, StoreError> {
         InboxStore::record_subscription(self, consumer, system, source, subscription).await
+    }
+
+    async fn advance(&self, consumer: &str, position: &Position) -> Result<(), StoreError> {
+        let mut tx = self.begin().await?;
+        self.advance_position(&mut *tx, consumer, position).await?;
+        self.commit(tx).await
     }
 }
 
@@ -119,6 +136,14 @@ impl ConsumerPositions {
         self.store
             .record_subscription(&self.consumer, system, source, subscription)
             .await
+    }
+}
+
+impl ConsumerPositions {
+    /// Moves the consumer's stored position in `position`'s lane forward to `position.next`,
+    /// never back (see [`PositionStore::advance`]).
+    pub async fn advance(&self, position: &Position) -> Result<(), StoreError> {
+        self.store.advance(&self.consumer, position).await
     }
 }
 

@@ -83,6 +83,10 @@ pub trait MessageSource: Send + 'static {
 /// - `settle` is not cancellation safe: if its future is dropped, the settlement may or may not
 ///   have reached the broker. Either outcome is safe because the runtime only settles after the
 ///   database transaction has ended.
+/// - A delivery that wraps another forwards every method, the defaulted ones too
+///   ([`position_to_store`](Delivery::position_to_store), [`reported_lane`](Delivery::reported_lane),
+///   [`assignment`](Delivery::assignment)): their defaults are right for a plain source, not
+///   for the one wrapped.
 #[async_trait]
 pub trait Delivery: Send + Sync + 'static {
     /// The message.
@@ -93,10 +97,31 @@ pub trait Delivery: Send + Sync + 'static {
     fn lane(&self) -> Lane;
 
     /// The source position this delivery stands for, if the broker has positions (Kafka
-    /// offsets). The runtime stores [`Position::next`] in the same transaction as the
-    /// message's effects.
+    /// offsets). The runtime stores [`position_to_store`](Self::position_to_store) (by default
+    /// this) in the same transaction as the message's effects.
     fn position(&self) -> Option<Position> {
         None
+    }
+
+    /// The position the runtime stores with this delivery's effects: every message of its
+    /// position lane before [`Position::next`] must be settled, or be this delivery, once its
+    /// transaction commits. The default is [`position`](Self::position), right for a source
+    /// whose position lanes are processed in order (one ordering [`Lane`] each).
+    ///
+    /// A source that lets one position lane run out of order (a Kafka partition split into
+    /// lanes by record key) returns the contiguous settled prefix instead, counting this
+    /// delivery as settled. It may be behind what is settled by the time the transaction
+    /// commits; that costs only redeliveries after a restart, which the inbox turns into
+    /// duplicates. It must never be ahead: a restart would skip what is not yet processed.
+    fn position_to_store(&self) -> Option<Position> {
+        self.position()
+    }
+
+    /// The lane this delivery is reported under by [`Health`](crate::health::Health) and the
+    /// per-lane gauges: the unit the broker assigns (a Kafka partition), which may hold many
+    /// ordering lanes (one per record key). The default is [`lane`](Self::lane).
+    fn reported_lane(&self) -> Lane {
+        self.lane()
     }
 
     /// Which assignment of its lane this delivery belongs to, for sources that hand lanes out

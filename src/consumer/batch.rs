@@ -386,16 +386,18 @@ where
                 return Ok(Trip::Unknown(false));
             }
         }
-        // One position per source lane: the last of the batch (every item here is processed or a
-        // duplicate, both of which move the position).
+        // One position per source lane: the furthest of the batch (every item here is processed
+        // or a duplicate, both of which move the position; each item's position counts itself
+        // as settled, so the furthest is as true as any).
         let mut positions: Vec<Position> = Vec::new();
         for item in &batch[..claims.len()] {
-            if let Some(p) = item.delivery.position() {
+            if let Some(p) = item.delivery.position_to_store() {
                 match positions
                     .iter_mut()
                     .find(|q| q.source == p.source && q.lane == p.lane)
                 {
-                    Some(q) => *q = p,
+                    Some(q) if q.next < p.next => *q = p,
+                    Some(_) => {}
                     None => positions.push(p),
                 }
             }

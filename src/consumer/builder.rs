@@ -407,6 +407,10 @@ where
             .record_subscription(consumer, system, source, subscription)
             .await
     }
+
+    async fn advance(&self, consumer: &str, position: &crate::position::Position) -> Result<(), StoreError> {
+        PositionStore::advance(&self.0.store, consumer, position).await
+    }
 }
 
 fn validate_name(name: &str) -> Result<(), String> {

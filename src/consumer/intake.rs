@@ -42,7 +42,7 @@ pub(super) async fn intake<Src: MessageSource, St, H>(
             Ok(Some(delivery)) => {
                 errors = 0;
                 gauge.increment(1.0);
-                let lane = match crate::source::Delivery::lane(&delivery) {
+                let lane = match crate::source::Delivery::reported_lane(&delivery) {
                     Lane::Unordered => None,
                     Lane::Ordered(key) => Some(key),
                 };

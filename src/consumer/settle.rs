@@ -113,7 +113,11 @@ where
             next: Some(p.next),
             assignment: delivery.assignment(),
         });
-        let dead_letter_position = pending.filter(|_| matches!(settlement, Settlement::DeadLetter(_)));
+        // Counts this delivery as settled: stored only once the broker took the dead letter.
+        let dead_letter_position = match settlement {
+            Settlement::DeadLetter(_) if pending.is_some() => delivery.position_to_store(),
+            _ => None,
+        };
         // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
         // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
         // contract allows: the broker redelivers and the inbox deduplicates.

@@ -65,7 +65,7 @@ where
     /// `None` returned: shutdown (or a fatal error) came first and the delivery must stay unsettled.
     async fn decide<D: Delivery>(&self, delivery: &D, key: Option<(MessageId, [u8; 32])>) -> Option<Verdict> {
         let msg = delivery.message();
-        let position = delivery.position();
+        let position = delivery.position_to_store();
         if let Some((id, fingerprint)) = key {
             let entry = Entry {
                 consumer: &self.name,

@@ -51,6 +51,15 @@ impl<D: Delivery> Delivery for TimedDelivery<D> {
     fn position(&self) -> Option<Position> {
         self.inner.position()
     }
+    fn position_to_store(&self) -> Option<Position> {
+        self.inner.position_to_store()
+    }
+    fn reported_lane(&self) -> Lane {
+        self.inner.reported_lane()
+    }
+    fn assignment(&self) -> Option<u64> {
+        self.inner.assignment()
+    }
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         let ack = settlement == Settlement::Ack;
         let sent = published_at(self.inner.message());

@@ -400,6 +400,25 @@ impl PollerContext {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        drop(state);
+        // Key and unordered ordering: the database positions may trail the settled prefix;
+        // store it before giving the partitions up, so the next owner does not read settled
+        // records again (it would find them duplicates; this saves it the work).
+        if !lost {
+            let prefixes = self
+                .shared
+                .settled_prefixes(keys.iter().map(|(t, p)| (Arc::<str>::from(t.as_str()), *p)));
+            if !prefixes.is_empty() {
+                let shared = self.shared.clone();
+                let (done, wait) = std::sync::mpsc::channel();
+                self.runtime.spawn(async move {
+                    shared.store_prefixes(prefixes).await;
+                    let _ = done.send(());
+                });
+                let _ = wait.recv_timeout(Duration::from_secs(6));
+            }
+        }
+        let mut state = self.shared.lock();
         let mut commit = TopicPartitionList::new();
         let mut still_running = 0;
         for (topic, partition) in &keys {

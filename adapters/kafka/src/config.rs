@@ -71,6 +71,7 @@ pub struct KafkaConfig {
     pub(crate) producer_properties: BTreeMap<String, String>,
     pub(crate) on_missing_position: MissingPosition,
     pub(crate) on_retention_gap: RetentionGap,
+    pub(crate) ordering: Ordering,
 }
 
 /// Where a partition starts when the database has no position for it but the consumer group
@@ -180,6 +181,70 @@ impl std::str::FromStr for RetentionGap {
     }
 }
 
+/// Which records of one partition may be processed at the same time
+/// ([`KafkaConfig::ordering`]).
+///
+/// Whatever the choice, a record's effects are applied once, its offset and database position
+/// never pass a record that is not settled, and a record of a key never overtakes an earlier
+/// record of the same key in `Partition` and `Key` ordering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Ordering {
+    /// One lane per partition: one transaction at a time per partition, records in offset
+    /// order. Concurrency is at most the number of assigned partitions. The default.
+    #[default]
+    Partition,
+    /// One lane per record key within a partition: the records of a key are processed one
+    /// transaction at a time, in offset order; different keys of a partition run concurrently,
+    /// up to the consumer's `concurrency`. Order holds per key, not per partition. Records
+    /// without a key go as [`Keyless`] says.
+    Key(Keyless),
+    /// No order: any record may run beside any other, up to the consumer's `concurrency`,
+    /// and an in-place retry holds only its own record. For handlers whose effects commute.
+    Unordered,
+}
+
+/// Where [`Ordering::Key`] puts records without a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Keyless {
+    /// The keyless records of a partition form one lane of their own, in offset order (as if
+    /// they shared one key). The default.
+    #[default]
+    InOrder,
+    /// Keyless records run concurrently with everything, in no order.
+    Unordered,
+}
+
+impl fmt::Display for Ordering {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ordering::Partition => "partition",
+            Ordering::Key(Keyless::InOrder) => "key",
+            Ordering::Key(Keyless::Unordered) => "key-or-unordered",
+            Ordering::Unordered => "unordered",
+        })
+    }
+}
+
+impl std::str::FromStr for Ordering {
+    type Err = String;
+
+    /// `partition`, `key` (keyless records in one lane per partition), `key-or-unordered`
+    /// (keyless records in no order) or `unordered`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "partition" => Ok(Ordering::Partition),
+            "key" => Ok(Ordering::Key(Keyless::InOrder)),
+            "key-or-unordered" => Ok(Ordering::Key(Keyless::Unordered)),
+            "unordered" => Ok(Ordering::Unordered),
+            other => Err(format!(
+                "unknown ordering {other:?}: use partition, key, key-or-unordered or unordered"
+            )),
+        }
+    }
+}
+
 impl fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KafkaConfig")
@@ -193,6 +258,7 @@ impl fmt::Debug for KafkaConfig {
             .field("dead_letter_timeout", &self.dead_letter_timeout)
             .field("on_missing_position", &self.on_missing_position)
             .field("on_retention_gap", &self.on_retention_gap)
+            .field("ordering", &self.ordering)
             .field("properties", &Properties(&self.properties))
             .field("producer_properties", &Properties(&self.producer_properties))
             .finish()
@@ -307,6 +373,7 @@ impl KafkaConfig {
             producer_properties: BTreeMap::new(),
             on_missing_position: MissingPosition::default(),
             on_retention_gap: RetentionGap::default(),
+            ordering: Ordering::default(),
         }
     }
 
@@ -326,6 +393,22 @@ impl KafkaConfig {
     /// ERROR and counted.
     pub fn on_retention_gap(mut self, policy: RetentionGap) -> Self {
         self.on_retention_gap = policy;
+        self
+    }
+
+    /// Which records of a partition may be processed at the same time: [`Ordering::Partition`]
+    /// (default: one transaction at a time per partition, in offset order),
+    /// [`Ordering::Key`] (records of one key in offset order, different keys of a partition
+    /// concurrently) or [`Ordering::Unordered`].
+    ///
+    /// Under `Key` and `Unordered` a partition's records settle out of order: its offset and
+    /// its database position move only to the contiguous settled prefix, so a restart (or a
+    /// rebalance) reads again what settled past it, and the inbox turns that into duplicates.
+    /// How many run at once is the consumer's
+    /// [`concurrency`](txinbox::ConsumerBuilder::concurrency): raise it, and the database
+    /// pool with it, for handlers that wait on I/O.
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
         self
     }
 

@@ -13,7 +13,10 @@ use crate::tracker::Generation;
 /// One Kafka record and the right to settle it.
 pub struct KafkaDelivery {
     pub(crate) message: Message,
+    /// The partition's lane, `topic/partition`.
     pub(crate) lane: Arc<str>,
+    /// The ordering lane: the partition's, the record key's, or none.
+    pub(crate) order: Lane,
     pub(crate) topic: Arc<str>,
     pub(crate) partition: i32,
     pub(crate) offset: i64,
@@ -69,6 +72,10 @@ impl Delivery for KafkaDelivery {
     }
 
     fn lane(&self) -> Lane {
+        self.order.clone()
+    }
+
+    fn reported_lane(&self) -> Lane {
         Lane::Ordered(self.lane.clone())
     }
 
@@ -87,6 +94,28 @@ impl Delivery for KafkaDelivery {
             source: self.topic.clone(),
             lane: self.partition.to_string().into(),
             next: self.offset + 1,
+        })
+    }
+
+    fn position_to_store(&self) -> Option<Position> {
+        if self.shared.config.ordering == crate::Ordering::Partition {
+            // One lane per partition: everything before this record is settled (or its
+            // lane stopped, and then `position` says so).
+            return self.position();
+        }
+        // Records of the partition settle out of order: the contiguous settled prefix, this
+        // record counted as settled. Nothing if the partition is no longer this assignment's.
+        let next = {
+            let mut state = self.shared.lock();
+            match state.get_mut(&self.topic, self.partition) {
+                Some(p) if p.epoch() == self.generation.epoch => p.prefix_with(self.offset)?,
+                _ => return None,
+            }
+        };
+        Some(Position {
+            source: self.topic.clone(),
+            lane: self.partition.to_string().into(),
+            next,
         })
     }
 

@@ -117,7 +117,7 @@ mod state;
 mod tracker;
 
 pub use config::{
-    parse_properties, KafkaConfig, MissingPosition, RetentionGap, DEFAULT_CLOSE_TIMEOUT,
+    parse_properties, KafkaConfig, Keyless, MissingPosition, Ordering, RetentionGap, DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_DEAD_LETTER_TIMEOUT, DEFAULT_MAX_BUFFERED_PER_PARTITION, DEFAULT_REVOKE_TIMEOUT,
 };
 pub use connection::ConnectionContext;

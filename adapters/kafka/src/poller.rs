@@ -12,9 +12,10 @@ use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::sync::mpsc;
-use txinbox::{message::Headers, message::Origin, source::SourceError, Message};
+use txinbox::{message::Headers, message::Origin, source::Lane, source::SourceError, Message};
 
 use crate::assignment::Recheck;
+use crate::config::{Keyless, Ordering};
 use crate::connection::ConnectionContext;
 use crate::state::{problem, Item, Shared};
 use crate::telemetry;
@@ -225,6 +226,7 @@ fn on_message(
     if let Some(timestamp) = timestamp(m.timestamp()) {
         message = message.with_timestamp(timestamp);
     }
+    let order = order_lane(shared.config.ordering, &lane, m.key());
     let item = Item {
         topic,
         partition,
@@ -232,10 +234,32 @@ fn on_message(
         timestamp: m.timestamp().to_millis(),
         generation,
         lane,
+        order,
         message,
     };
     // If the source is gone the loop ends at its next check.
     let _ = tx.send(Ok(item));
+}
+
+/// The ordering lane of a record of partition lane `partition` (`topic/partition`) with `key`.
+///
+/// Under [`Ordering::Key`] a key's lane is the partition's lane, `#` and a 64-bit hash of the
+/// key: two keys whose hashes collide share a lane, which costs them concurrency, never order.
+/// Keyless records in order share `topic/partition#`, which no hash lane can be.
+fn order_lane(ordering: Ordering, partition: &Arc<str>, key: Option<&[u8]>) -> Lane {
+    use std::hash::{Hash as _, Hasher as _};
+    match (ordering, key) {
+        (Ordering::Partition, _) => Lane::Ordered(partition.clone()),
+        (Ordering::Unordered, _) | (Ordering::Key(Keyless::Unordered), None) => Lane::Unordered,
+        (Ordering::Key(_), Some(key)) => {
+            // SipHash with fixed keys: the same lane for the same key for the life of the process
+            // (lanes are never persisted).
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            key.hash(&mut hasher);
+            Lane::Ordered(format!("{partition}#{:016x}", hasher.finish()).into())
+        }
+        (Ordering::Key(_), None) => Lane::Ordered(format!("{partition}#").into()),
+    }
 }
 
 /// The record's timestamp with its type; `None` for a record without one.

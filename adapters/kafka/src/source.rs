@@ -234,6 +234,7 @@ impl MessageSource for KafkaSource {
             return Ok(Some(KafkaDelivery {
                 message: item.message,
                 lane: item.lane,
+                order: item.order,
                 topic: item.topic,
                 partition: item.partition,
                 offset: item.offset,
@@ -293,6 +294,17 @@ impl MessageSource for KafkaSource {
     }
 
     async fn close(mut self) -> Result<(), SourceError> {
+        // Everything received is settled by now: store where each partition's settled prefix
+        // ends while the partitions are still ours (key and unordered ordering only).
+        let assigned: Vec<(Arc<str>, i32)> = self
+            .shared
+            .lock()
+            .partitions
+            .iter()
+            .flat_map(|(t, parts)| parts.keys().map(|n| (t.clone(), *n)))
+            .collect();
+        let prefixes = self.shared.settled_prefixes(assigned);
+        self.shared.store_prefixes(prefixes).await;
         self.shared.stop.store(true, Ordering::SeqCst);
         // Never attached: the poller ends without having polled.
         drop(self.start_poller.take());

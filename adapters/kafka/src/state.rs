@@ -7,7 +7,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 
 use rdkafka::producer::FutureProducer;
-use txinbox::{position::ConsumerPositions, Message};
+use txinbox::{position::ConsumerPositions, position::Position, Message};
+
+/// How long giving partitions up waits to store their settled positions
+/// ([`Shared::store_prefixes`]).
+const PREFIX_FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 use crate::config::KafkaConfig;
 use crate::connection::ConnectionContext;
@@ -193,6 +197,52 @@ impl Shared {
         }
     }
 
+    /// Under [`Ordering::Key`](crate::Ordering::Key) and `Unordered`: the settled prefixes of
+    /// `partitions` (topic, partition, next) to store as database positions when they are given
+    /// up (revocation, close); empty under `Partition`, where each transaction stores an exact
+    /// position already.
+    pub(crate) fn settled_prefixes(
+        &self,
+        partitions: impl IntoIterator<Item = (Arc<str>, i32)>,
+    ) -> Vec<Position> {
+        if self.config.ordering == crate::Ordering::Partition {
+            return Vec::new();
+        }
+        let mut state = self.lock();
+        partitions
+            .into_iter()
+            .filter_map(|(topic, partition)| {
+                let next = state.get_mut(&topic, partition)?.done_next()?;
+                Some(Position {
+                    source: topic,
+                    lane: partition.to_string().into(),
+                    next,
+                })
+            })
+            .collect()
+    }
+
+    /// Stores `prefixes` ([`settled_prefixes`](Self::settled_prefixes)) as the database
+    /// positions, forward only, within `PREFIX_FLUSH_TIMEOUT`. Best effort: a position
+    /// that is not stored only makes the next reader read settled records again, which the
+    /// inbox turns into duplicates.
+    pub(crate) async fn store_prefixes(&self, prefixes: Vec<Position>) {
+        let Some(positions) = self.positions.get() else {
+            return;
+        };
+        tracing::debug!(?prefixes, "storing the settled positions of partitions given up");
+        let all = async {
+            for p in &prefixes {
+                if let Err(e) = positions.advance(p).await {
+                    tracing::info!(topic = %p.source, partition = %p.lane, error = %e, "storing the settled position of a partition given up failed; the next reader reads its last records again (duplicates)");
+                }
+            }
+        };
+        if tokio::time::timeout(PREFIX_FLUSH_TIMEOUT, all).await.is_err() {
+            tracing::info!(timeout = ?PREFIX_FLUSH_TIMEOUT, "storing the settled positions of partitions given up took too long; the next reader reads their last records again (duplicates)");
+        }
+    }
+
     pub(crate) fn is_assigned(&self, topic: &str, partition: i32, epoch: u64) -> bool {
         self.lock()
             .get_mut(topic, partition)
@@ -209,6 +259,9 @@ pub(crate) struct Item {
     pub(crate) offset: i64,
     pub(crate) timestamp: Option<i64>,
     pub(crate) generation: Arc<Generation>,
+    /// The partition's lane (`topic/partition`): what `receive` rotates over and health reports.
     pub(crate) lane: Arc<str>,
+    /// The ordering lane ([`KafkaConfig::ordering`](crate::KafkaConfig::ordering)).
+    pub(crate) order: txinbox::source::Lane,
     pub(crate) message: Message,
 }

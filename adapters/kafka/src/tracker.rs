@@ -229,6 +229,24 @@ impl Partition {
     pub(crate) fn done_next(&self) -> Option<i64> {
         self.done_next
     }
+
+    /// The contiguous settled prefix (as [`done_next`](Self::done_next)) if `offset`, a
+    /// received offset not yet settled, were settled too: the position a transaction that
+    /// settles `offset` may store. `None` while nothing before the prefix's end is known
+    /// (no start position and the first received offset unsettled, `offset` aside).
+    pub(crate) fn prefix_with(&self, offset: i64) -> Option<i64> {
+        let mut next = self.done_next;
+        // `window` starts at the first offset not yet folded into `done_next`: walk while each
+        // is done or is `offset`.
+        for &(o, slot) in &self.window {
+            if slot == Slot::Done || o == offset {
+                next = Some(o + 1);
+            } else {
+                break;
+            }
+        }
+        next
+    }
 }
 
 #[cfg(test)]
@@ -289,6 +307,109 @@ mod tests {
         p.settle(4);
         assert_eq!(p.flow(10), Some(false), "5 unsettled: resume");
         assert_eq!(p.flow(10), None);
+    }
+
+    /// Settlement out of order against the contiguous prefix (`Ordering::Key`, `Unordered`): a
+    /// model of what each offset is, random receives (with gaps), settlements, abandonments and
+    /// transactions computing the position they store. Checked at every step: a position
+    /// offered with an offset never passes an offset that is neither settled nor that one; the
+    /// stored position never passes an unsettled offset and never moves back; and once everything
+    /// before a point is settled, the position reaches it (nothing settled is left behind).
+    #[test]
+    fn out_of_order_settlement_never_stores_past_an_unsettled_offset_and_reaches_every_settled_prefix() {
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Model {
+            InFlight,
+            Done,
+            Dropped,
+        }
+        for seed in 0..500u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let mut p = Partition::new(1, "t".into(), 0);
+            let start = rng.i64(0..50);
+            if rng.bool() {
+                p.start_at(start);
+            }
+            let mut model: Vec<(i64, Model)> = Vec::new();
+            let mut next_offset = start;
+            let mut stored: Option<i64> = None;
+            for step in 0..300 {
+                let ctx = || format!("seed {seed} step {step}");
+                match rng.u8(0..10) {
+                    0..=3 => {
+                        next_offset += 1 + rng.i64(0..3) * i64::from(rng.u8(0..4) == 0); // gaps: compaction, markers
+                        assert!(p.receive(next_offset), "{}", ctx());
+                        p.hand_out();
+                        model.push((next_offset, Model::InFlight));
+                    }
+                    4..=7 => {
+                        let open: Vec<usize> = (0..model.len())
+                            .filter(|&i| model[i].1 == Model::InFlight)
+                            .collect();
+                        if open.is_empty() {
+                            continue;
+                        }
+                        let i = open[rng.usize(..open.len())];
+                        let offset = model[i].0;
+                        // The transaction stores the prefix counting itself, then commits, then settles.
+                        if let Some(next) = p.prefix_with(offset) {
+                            for &(o, m) in &model {
+                                if o < next {
+                                    assert!(
+                                        m == Model::Done || o == offset,
+                                        "{}: position {next} offered with {offset} passes {o}, which is {m:?}",
+                                        ctx()
+                                    );
+                                }
+                            }
+                        }
+                        p.settle(offset);
+                        model[i].1 = Model::Done;
+                    }
+                    8 => {
+                        let open: Vec<usize> = (0..model.len())
+                            .filter(|&i| model[i].1 == Model::InFlight)
+                            .collect();
+                        if open.is_empty() || rng.u8(0..4) != 0 {
+                            continue;
+                        }
+                        let i = open[rng.usize(..open.len())];
+                        p.abandon(model[i].0);
+                        model[i].1 = Model::Dropped;
+                    }
+                    _ => {
+                        if let Some(next) = p.take_store() {
+                            assert!(
+                                stored.is_none_or(|s| s < next),
+                                "{}: stored position moved back",
+                                ctx()
+                            );
+                            stored = Some(next);
+                        }
+                    }
+                }
+                // Safety: nothing unsettled below the contiguous prefix.
+                if let Some(done) = p.done_next() {
+                    for &(o, m) in &model {
+                        assert!(
+                            o >= done || m == Model::Done,
+                            "{}: prefix {done} passes {o} ({m:?})",
+                            ctx()
+                        );
+                    }
+                }
+                // Liveness: the prefix reaches the end of every run of settled offsets from the start.
+                let settled_run = model.iter().take_while(|(_, m)| *m == Model::Done).last();
+                if let Some(&(last, _)) = settled_run {
+                    assert!(
+                        p.done_next().is_some_and(|d| d > last),
+                        "{}: {last} settled with everything before it, prefix {:?}",
+                        ctx(),
+                        p.done_next()
+                    );
+                }
+            }
+        }
     }
 
     #[test]

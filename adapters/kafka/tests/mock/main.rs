@@ -250,6 +250,7 @@ mod dead_letters;
 mod health;
 mod metrics;
 mod missing_positions;
+mod ordering;
 mod retention;
 
 mod tokio_util_like {
