@@ -338,6 +338,10 @@ impl Delivery for MemoryDelivery {
         }
     }
 
+    fn position_to_store(&self) -> Option<crate::position::Position> {
+        None // the in-memory broker has no positions
+    }
+
     async fn settle(mut self, settlement: Settlement) -> Result<(), SettleError> {
         let stored = self.stored.take().expect("settled once");
         let inner = self.inner.clone();

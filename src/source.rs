@@ -84,7 +84,7 @@ pub trait MessageSource: Send + 'static {
 ///   have reached the broker. Either outcome is safe because the runtime only settles after the
 ///   database transaction has ended.
 /// - A delivery that wraps another forwards every method, the defaulted ones too
-///   ([`position_to_store`](Delivery::position_to_store), [`reported_lane`](Delivery::reported_lane),
+///   ([`position`](Delivery::position), [`reported_lane`](Delivery::reported_lane),
 ///   [`assignment`](Delivery::assignment)): their defaults are right for a plain source, not
 ///   for the one wrapped.
 #[async_trait]
@@ -97,25 +97,29 @@ pub trait Delivery: Send + Sync + 'static {
     fn lane(&self) -> Lane;
 
     /// The source position this delivery stands for, if the broker has positions (Kafka
-    /// offsets). The runtime stores [`position_to_store`](Self::position_to_store) (by default
-    /// this) in the same transaction as the message's effects.
+    /// offsets): where it stands, for telling deliveries of a lane apart. What the runtime
+    /// stores with the effects is [`position_to_store`](Self::position_to_store).
     fn position(&self) -> Option<Position> {
         None
     }
 
-    /// The position the runtime stores with this delivery's effects: every message of its
-    /// position lane before [`Position::next`] must be settled, or be this delivery, once its
-    /// transaction commits. The default is [`position`](Self::position), right for a source
-    /// whose position lanes are processed in order (one ordering [`Lane`] each).
+    /// The position the runtime stores with this delivery's effects (`None`: none): every
+    /// message of its position lane before [`Position::next`] must be settled, or be this
+    /// delivery, once its transaction commits. Called when the transaction is about to store
+    /// it, so the answer may change over the delivery's life.
     ///
-    /// A source that lets one position lane run out of order (a Kafka partition split into
-    /// lanes by record key) returns the contiguous settled prefix instead, counting this
-    /// delivery as settled. It may be behind what is settled by the time the transaction
-    /// commits; that costs only redeliveries after a restart, which the inbox turns into
-    /// duplicates. It must never be ahead: a restart would skip what is not yet processed.
-    fn position_to_store(&self) -> Option<Position> {
-        self.position()
-    }
+    /// A source whose position lanes are processed in order (one ordering [`Lane`] each)
+    /// returns [`position`](Self::position). A source that lets one position lane run out of
+    /// order (a Kafka partition split into lanes by record key) returns the contiguous settled
+    /// prefix, counting this delivery as settled. It may be behind what is settled by the time
+    /// the transaction commits; that costs only redeliveries after a restart, which the inbox
+    /// turns into duplicates. It must never be ahead: a restart would skip what is not yet
+    /// processed.
+    ///
+    /// Required, without a default, because a delivery that wraps another must forward it: a
+    /// wrapper answering with the wrapped delivery's own [`position`](Self::position) would
+    /// store positions past unprocessed messages under key ordering.
+    fn position_to_store(&self) -> Option<Position>;
 
     /// The lane this delivery is reported under by [`Health`](crate::health::Health) and the
     /// per-lane gauges: the unit the broker assigns (a Kafka partition), which may hold many

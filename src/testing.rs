@@ -481,6 +481,10 @@ impl Delivery for OneDelivery {
         Lane::Unordered
     }
 
+    fn position_to_store(&self) -> Option<crate::position::Position> {
+        None
+    }
+
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         *self.settled.lock().unwrap_or_else(|e| e.into_inner()) = Some(settlement);
         Ok(())

@@ -47,7 +47,7 @@ use txinbox::{Consumer, PostgresInbox};
 use txinbox_amqp::AmqpSource;
 use txinbox_demos::flags;
 use txinbox_demos::payments::{create_tables, Ledger};
-use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition};
+use txinbox_kafka::{KafkaConfig, KafkaSource, MissingPosition, Ordering};
 
 /// Applies payment events from Kafka or RabbitMQ to PostgreSQL balances, effectively once.
 #[derive(Debug, Parser)]
@@ -89,6 +89,16 @@ struct Args {
         default_value = "refuse"
     )]
     on_missing_position: MissingPosition,
+    /// Kafka: which records of a partition may run at the same time: `partition` (one at a
+    /// time, in offset order), `key` (each record key in order, keys side by side),
+    /// `key-or-unordered` (keyless records in no order) or `unordered`.
+    #[arg(
+        long,
+        env = "LEDGER_KAFKA_ORDERING",
+        hide_env_values = true,
+        default_value = "partition"
+    )]
+    kafka_ordering: Ordering,
     #[command(flatten)]
     amqp: flags::Amqp,
     /// AMQP: the queue of payment events (declared if missing, with `<queue>.retry` and
@@ -134,7 +144,8 @@ async fn main() -> anyhow::Result<()> {
         Source::Kafka => {
             let mut config = KafkaConfig::new(&args.kafka.brokers, &args.group)
                 .topic(&args.topic)
-                .on_missing_position(args.on_missing_position);
+                .on_missing_position(args.on_missing_position)
+                .ordering(args.kafka_ordering);
             for (key, value) in args.kafka_properties.iter().flat_map(|p| &p.0) {
                 config = config.set(key, value);
             }
@@ -142,7 +153,7 @@ async fn main() -> anyhow::Result<()> {
             // The crash matrix's sabotaged outage run only (see `txinbox_demos::sabotage`).
             #[cfg(feature = "crash-points")]
             let source = txinbox_demos::sabotage::from_env(source);
-            tracing::info!(brokers = %args.kafka.brokers, topic = %args.topic, group = %args.group, "ledger consuming from Kafka");
+            tracing::info!(brokers = %args.kafka.brokers, topic = %args.topic, group = %args.group, ordering = %args.kafka_ordering, "ledger consuming from Kafka");
             Consumer::builder(&args.consumer_name)
                 .source(source)
                 .inbox(inbox)

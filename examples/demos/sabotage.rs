@@ -115,6 +115,25 @@ impl<D: Delivery> Delivery for Early<D> {
         self.position.clone()
     }
 
+    fn position_to_store(&self) -> Option<Position> {
+        match &self.inner {
+            // Asked when it is stored: under key ordering the wrapped delivery's answer moves.
+            Some(d) => d.position_to_store(),
+            None => self.position.clone(),
+        }
+    }
+
+    fn reported_lane(&self) -> Lane {
+        match &self.inner {
+            Some(d) => d.reported_lane(),
+            None => self.lane.clone(),
+        }
+    }
+
+    fn assignment(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(Delivery::assignment)
+    }
+
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         match self.inner {
             Some(d) => d.settle(settlement).await,

@@ -65,7 +65,6 @@ where
     /// `None` returned: shutdown (or a fatal error) came first and the delivery must stay unsettled.
     async fn decide<D: Delivery>(&self, delivery: &D, key: Option<(MessageId, [u8; 32])>) -> Option<Verdict> {
         let msg = delivery.message();
-        let position = delivery.position_to_store();
         if let Some((id, fingerprint)) = key {
             let entry = Entry {
                 consumer: &self.name,
@@ -73,7 +72,7 @@ where
                 fingerprint: &fingerprint,
                 origin: msg.origin(),
             };
-            return self.claim_and_run(delivery, &id, entry, position.as_ref()).await;
+            return self.claim_and_run(delivery, &id, entry).await;
         }
         let size = message_size(msg);
         if size > self.max_message_bytes {
@@ -114,7 +113,7 @@ where
             fingerprint: &fingerprint,
             origin: msg.origin(),
         };
-        self.claim_and_run(delivery, &id, entry, position.as_ref()).await
+        self.claim_and_run(delivery, &id, entry).await
     }
 
     /// Claims and runs a message with a usable ID through its transaction until a verdict: backs
@@ -124,7 +123,6 @@ where
         delivery: &D,
         id: &MessageId,
         entry: Entry<'_>,
-        position: Option<&Position>,
     ) -> Option<Verdict> {
         let mut store_failures = 0;
         let mut conflicts = 0;
@@ -139,7 +137,7 @@ where
                 .acquire()
                 .await
                 .expect("semaphore is never closed");
-            let outcome = self.attempt(delivery, id, &entry, position).await;
+            let outcome = self.attempt(delivery, id, &entry).await;
             drop(permit);
             // The database went away under the message (its session ended, the server shuts
             // down, the connection broke, in the handler or at COMMIT): an outage like a failed
@@ -257,7 +255,6 @@ where
         delivery: &D,
         id: &MessageId,
         entry: &Entry<'_>,
-        position: Option<&Position>,
     ) -> Result<Attempt, StoreError> {
         let store = &self.store;
         // NOTE: never wrap begin/commit in a timeout or select!: a cancelled BEGIN can leave a
@@ -275,8 +272,10 @@ where
                 store
                     .record_duplicates(&mut *tx, std::slice::from_ref(entry))
                     .await?;
-                if let Some(p) = position {
-                    store.save_position(&mut *tx, &self.name, p).await?;
+                // Asked now, not when the delivery arrived: under key ordering the settled prefix
+                // it answers with moves on while the message waits and runs.
+                if let Some(p) = delivery.position_to_store() {
+                    store.save_position(&mut *tx, &self.name, &p).await?;
                 }
                 store.commit(tx).await?;
                 return Ok(Attempt::Duplicate);
@@ -303,7 +302,7 @@ where
             self.note_handler_pace(call_started.elapsed(), 1);
         }
         let error = match handled {
-            Ok(()) => match self.finish(tx, entry, position).await {
+            Ok(()) => match self.finish(tx, entry, delivery.position_to_store()).await {
                 Ok(()) => {
                     crate::crash::hit(crate::crash::AFTER_COMMIT);
                     return Ok(Attempt::Committed(attempt));
@@ -326,7 +325,7 @@ where
         &self,
         tx: TrackedTransaction<St::Db>,
         entry: &Entry<'_>,
-        position: Option<&Position>,
+        position: Option<Position>,
     ) -> Result<(), HandlerError> {
         let store = &self.store;
         let failed =
@@ -353,7 +352,7 @@ where
             }
         }
         if let Some(p) = position {
-            if let Err(e) = store.save_position(&mut *tx, &self.name, p).await {
+            if let Err(e) = store.save_position(&mut *tx, &self.name, &p).await {
                 drop(tx.rollback().await);
                 return Err(failed("storing the position failed", e));
             }

@@ -112,6 +112,9 @@ impl Delivery for PositionedDelivery {
             next: o.offset.unwrap() + 1,
         })
     }
+    fn position_to_store(&self) -> Option<Position> {
+        self.position()
+    }
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         let o = self.message.origin();
         let kind = match settlement {

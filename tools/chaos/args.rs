@@ -43,6 +43,11 @@ pub(crate) struct Args {
     /// the ledgers' logs.
     #[arg(long)]
     pub(crate) ledger_kafka_property: Vec<String>,
+    /// The Kafka ledgers' `--kafka-ordering`, comma-separated: each ledger started takes the
+    /// next one in turn, so one run crashes and restarts ledgers of every ordering given, and
+    /// the storm's members differ (`partition,key`: a rolling change of ordering under crashes).
+    #[arg(long, value_delimiter = ',', default_value = "partition")]
+    pub(crate) kafka_ordering: Vec<txinbox_kafka::Ordering>,
     #[command(flatten)]
     pub(crate) amqp: flags::Amqp,
     #[command(flatten)]

@@ -20,6 +20,8 @@ pub struct Launcher {
     started: u32,
     /// `RUST_LOG` for the children unless `CHAOS_LEDGER_LOG` says otherwise.
     log_filter: String,
+    /// Arguments given in turn, one per child (the n-th child gets the n-th, round and round).
+    rotating: Vec<String>,
 }
 
 impl Launcher {
@@ -33,6 +35,8 @@ impl Launcher {
             logs,
             started: 0,
             log_filter: "info".into(),
+
+            rotating: Vec::new(),
         })
     }
 
@@ -57,6 +61,11 @@ impl Launcher {
     /// The children's `RUST_LOG` (default `info`; `CHAOS_LEDGER_LOG` wins).
     pub fn log_filter(&mut self, filter: &str) {
         self.log_filter = filter.to_owned();
+    }
+
+    /// Gives each child one of `args` in turn (the first child the first); none: nothing.
+    pub fn rotate(&mut self, args: Vec<String>) {
+        self.rotating = args;
     }
 
     /// Where the children's logs are.
@@ -98,6 +107,10 @@ impl Launcher {
             .kill_on_drop(true);
         if let Some(point) = crash_at {
             command.env(txinbox::crash::ENV, point);
+        }
+        if !self.rotating.is_empty() {
+            let arg = &self.rotating[(self.started as usize - 1) % self.rotating.len()];
+            command.arg(arg);
         }
         let child = command
             .spawn()

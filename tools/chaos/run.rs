@@ -82,6 +82,22 @@ pub(crate) async fn prepare(args: &Args, setup: Setup<'_>) -> anyhow::Result<(Ch
         );
     }
     let mut launcher = Launcher::new(ledger.to_path_buf(), ledger_args, logs)?;
+    if matches!(side, Side::Kafka(_)) {
+        println!(
+            "   Kafka orderings, one ledger after another: {}",
+            args.kafka_ordering
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        launcher.rotate(
+            args.kafka_ordering
+                .iter()
+                .map(|o| format!("--kafka-ordering={o}"))
+                .collect(),
+        );
+    }
     launcher.env("DATABASE_URL", &db.url);
     launcher.env("AMQP_URL", &args.amqp.amqp_url);
     let plan = events::plan(

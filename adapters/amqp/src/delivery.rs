@@ -394,6 +394,10 @@ impl Delivery for AmqpDelivery {
         self.lane.clone()
     }
 
+    fn position_to_store(&self) -> Option<txinbox::position::Position> {
+        None // a queue has no positions
+    }
+
     async fn settle(self, settlement: Settlement) -> Result<(), SettleError> {
         match settlement {
             Settlement::Ack => self.ack().await,

@@ -20,6 +20,10 @@ use crate::connection::ConnectionContext;
 use crate::state::{problem, Item, Shared};
 use crate::telemetry;
 
+/// Key and unordered ordering: how long a partition must be quiet before the source stores
+/// its settled prefix as the database position itself (see `Partition::take_quiet_flush`).
+const QUIET_FLUSH_AFTER: Duration = Duration::from_secs(1);
+
 /// How long one `poll` waits; also the longest delay before a settled offset is stored.
 const POLL_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -299,6 +303,8 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
     let mut store = TopicPartitionList::new();
     let mut pause = TopicPartitionList::new();
     let mut resume = TopicPartitionList::new();
+    let out_of_order = shared.config.ordering != crate::Ordering::Partition;
+    let mut flush = Vec::new();
     {
         let mut state = shared.lock();
         for (topic, parts) in state.partitions.iter_mut() {
@@ -308,6 +314,15 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
                 }
                 if let Some(next) = p.take_store() {
                     let _ = store.add_partition_offset(topic, *partition, Offset::Offset(next));
+                }
+                if out_of_order {
+                    if let Some(next) = p.take_quiet_flush(QUIET_FLUSH_AFTER) {
+                        flush.push(txinbox::position::Position {
+                            source: topic.clone(),
+                            lane: partition.to_string().into(),
+                            next,
+                        });
+                    }
                 }
                 match p.flow(high) {
                     Some(true) => {
@@ -320,6 +335,13 @@ fn housekeeping(consumer: &BaseConsumer<PollerContext>, shared: &Shared) {
                 }
             }
         }
+    }
+    if !flush.is_empty() {
+        let shared = consumer.context().shared.clone();
+        consumer
+            .context()
+            .runtime
+            .spawn(async move { shared.store_prefixes(flush).await });
     }
     if store.count() > 0 {
         if let Err(e) = consumer.store_offsets(&store) {

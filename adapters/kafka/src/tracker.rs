@@ -60,6 +60,12 @@ pub(crate) struct Partition {
     done_next: Option<i64>,
     /// The last position given to `store_offsets`.
     stored_next: Option<i64>,
+    /// The last settled prefix stored as the database position by the source itself (key
+    /// and unordered ordering: [`take_quiet_flush`](Self::take_quiet_flush)), or the database
+    /// position the assignment started at.
+    flushed_next: Option<i64>,
+    /// When a record was last received or settled.
+    last_activity: std::time::Instant,
     /// In the hand-over channel, not yet handed to the runtime.
     pub(crate) buffered: usize,
     /// Handed to the runtime and not yet settled or dropped.
@@ -113,6 +119,8 @@ impl Partition {
             last_received: None,
             done_next: None,
             stored_next: None,
+            flushed_next: None,
+            last_activity: std::time::Instant::now(),
             buffered: 0,
             in_flight: 0,
             paused: false,
@@ -140,6 +148,7 @@ impl Partition {
             return false;
         }
         self.last_received = Some(offset);
+        self.last_activity = std::time::Instant::now();
         self.window.push_back((offset, Slot::Pending));
         self.buffered += 1;
         true
@@ -164,6 +173,7 @@ impl Partition {
     /// Marks `offset` settled and advances the contiguous position.
     pub(crate) fn settle(&mut self, offset: i64) {
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.last_activity = std::time::Instant::now();
         if let Some(slot @ Slot::Pending) = self.slot(offset) {
             *slot = Slot::Done;
         }
@@ -207,6 +217,24 @@ impl Partition {
     /// database position): it is the position to store until a later offset settles.
     pub(crate) fn start_at(&mut self, next: i64) {
         self.done_next = Some(next);
+        self.flushed_next = Some(next);
+    }
+
+    /// The settled prefix to store as the database position, once the partition has been
+    /// quiet (nothing received unsettled, nothing received or settled) for `quiet`, if it moved
+    /// past the last one flushed. Under key and unordered ordering each transaction stores a
+    /// prefix that may trail what settled by its commit; this brings an idle partition's
+    /// position to exactly where it is, at most once per quiet spell.
+    pub(crate) fn take_quiet_flush(&mut self, quiet: std::time::Duration) -> Option<i64> {
+        if self.unsettled() > 0 || self.last_activity.elapsed() < quiet {
+            return None;
+        }
+        let next = self.done_next?;
+        if self.flushed_next.is_some_and(|f| f >= next) {
+            return None;
+        }
+        self.flushed_next = Some(next);
+        Some(next)
     }
 
     /// The position to store, if it moved since the last call.
@@ -410,6 +438,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_quiet_partition_flushes_its_settled_prefix_once() {
+        let quiet = std::time::Duration::ZERO;
+        let mut p = Partition::new(1, "t".into(), 0);
+        p.start_at(10);
+        assert_eq!(
+            p.take_quiet_flush(quiet),
+            None,
+            "the start position is the database's already"
+        );
+        for o in 10..13 {
+            p.receive(o);
+            p.hand_out();
+        }
+        p.settle(11);
+        p.settle(10);
+        assert_eq!(p.take_quiet_flush(quiet), None, "12 is still in flight");
+        p.settle(12);
+        assert_eq!(
+            p.take_quiet_flush(std::time::Duration::from_secs(60)),
+            None,
+            "not quiet for long enough"
+        );
+        assert_eq!(p.take_quiet_flush(quiet), Some(13));
+        assert_eq!(p.take_quiet_flush(quiet), None, "once");
     }
 
     #[test]

@@ -492,6 +492,10 @@ impl<D: Delivery> Delivery for ProbedDelivery<D> {
         self.inner.as_ref().unwrap().lane()
     }
 
+    fn position_to_store(&self) -> Option<txinbox::position::Position> {
+        self.inner.as_ref().unwrap().position_to_store()
+    }
+
     async fn settle(mut self, settlement: Settlement) -> Result<(), SettleError> {
         let d = self.inner.take().unwrap();
         let r = d.settle(settlement).await;

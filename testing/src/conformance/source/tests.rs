@@ -148,6 +148,10 @@ impl Delivery for BrokenDelivery {
         self.inner.as_ref().unwrap().lane()
     }
 
+    fn position_to_store(&self) -> Option<txinbox::position::Position> {
+        self.inner.as_ref().unwrap().position_to_store()
+    }
+
     async fn settle(mut self, settlement: Settlement) -> Result<(), SettleError> {
         let d = self.inner.take().unwrap();
         match (self.fault, settlement) {
