@@ -32,11 +32,18 @@ pub(crate) struct Args {
     pub(crate) health_pairs: u32,
     /// The kinds of rows to run (`None`: all of [`MODES`]).
     pub(crate) modes: Option<Vec<String>>,
+    /// Messages of each key-ordering row (Kafka; 0: none), their handler's sleep, the keys,
+    /// and the consumer's concurrency in those rows.
+    pub(crate) key_messages: u64,
+    pub(crate) key_sleep_ms: u64,
+    pub(crate) key_keys: u64,
+    pub(crate) key_concurrency: usize,
 }
 
 /// The kinds of rows `--modes` selects from: `paced` is the fixed-rate rows, `sleep` the
-/// sleeping handler's (memory), `health` the health cost pairs (memory).
-pub(crate) const MODES: [&str; 7] = [
+/// sleeping handler's (memory), `health` the health cost pairs (memory), `keys` partition
+/// against key ordering with a slow handler (Kafka).
+pub(crate) const MODES: [&str; 8] = [
     "raw",
     "per_message",
     "batched",
@@ -44,6 +51,7 @@ pub(crate) const MODES: [&str; 7] = [
     "peer",
     "sleep",
     "health",
+    "keys",
 ];
 
 impl Args {
@@ -76,6 +84,10 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         batch_max_ms: 50,
         health_pairs: 5,
         modes: None,
+        key_messages: 3000,
+        key_sleep_ms: 20,
+        key_keys: 10_000,
+        key_concurrency: 48,
     };
     let mut sleep_messages_set = false;
     let mut it = std::env::args().skip(1);
@@ -106,6 +118,10 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
             "--batch-max-ms" => a.batch_max_ms = value()?.parse()?,
             "--health-pairs" => a.health_pairs = value()?.parse()?,
             "--modes" => a.modes = Some(value()?.split(',').map(str::to_owned).collect()),
+            "--key-messages" => a.key_messages = value()?.parse()?,
+            "--key-sleep-ms" => a.key_sleep_ms = value()?.parse()?,
+            "--key-keys" => a.key_keys = value()?.parse()?,
+            "--key-concurrency" => a.key_concurrency = value()?.parse()?,
             "--help" | "-h" => {
                 println!(
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
@@ -116,7 +132,8 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
                      [--require-brokers (an unreachable broker fails the run)]\n  \
                      [--sleep-messages N (min(messages, 4000); 0: no sleeping-handler rows)] [--sleep-ms N (5)] [--batch-max-ms N (50)]\n  \
                      [--health-pairs N (5; 0: no health cost rows)]\n  \
-                     [--modes raw,per_message,batched,paced,peer,sleep,health (all)]"
+                     [--key-messages N (3000; 0: no key-ordering rows)] [--key-sleep-ms N (20)] [--key-keys N (10000)] [--key-concurrency N (48)]\n  \
+                     [--modes raw,per_message,batched,paced,peer,sleep,health,keys (all)]"
                 );
                 std::process::exit(0);
             }

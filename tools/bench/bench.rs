@@ -27,6 +27,8 @@ pub(crate) struct Variant {
     pub(crate) batch_max_duration: Option<Duration>,
     /// Lane health tracking (on in every consumer but the health cost row's "off").
     pub(crate) track_lanes: bool,
+    /// The consumer's `concurrency` when not `--concurrency`.
+    pub(crate) concurrency: Option<usize>,
 }
 
 impl Default for Variant {
@@ -35,6 +37,7 @@ impl Default for Variant {
             sleep: None,
             batch_max_duration: None,
             track_lanes: true,
+            concurrency: None,
         }
     }
 }
@@ -116,6 +119,7 @@ impl Bench {
         variant: Variant,
     ) -> anyhow::Result<Row> {
         let n = load.n;
+        let concurrency = variant.concurrency.unwrap_or(self.args.concurrency);
         self.checkpoint().await;
         reset_peak_rss();
         let probe = Probe::new(n + 1);
@@ -158,7 +162,7 @@ impl Bench {
                     .source(timed)
                     .inbox(self.inbox())
                     .handler(())
-                    .concurrency(self.args.concurrency)
+                    .concurrency(concurrency)
                     .max_in_flight(self.args.max_in_flight)
                     .batch_size(batch_size)
                     .batch_linger(Duration::from_millis(self.args.linger_ms));
@@ -191,16 +195,12 @@ impl Bench {
         let elapsed = probe.elapsed();
         let note = match mode {
             Mode::Raw => format!("no inbox: receive + ack; {}", load.describe()),
-            Mode::PerMessage => format!(
-                "batch_size 1, concurrency {}; {}",
-                self.args.concurrency,
-                load.describe()
-            ),
+            Mode::PerMessage => format!("batch_size 1, concurrency {concurrency}; {}", load.describe()),
             Mode::Batched => format!(
                 "batch_size {}, linger {} ms, concurrency {}, max_in_flight {}; {}; {:.0} messages per transaction",
                 self.args.batch_size,
                 self.args.linger_ms,
-                self.args.concurrency,
+                concurrency,
                 self.args.max_in_flight,
                 load.describe(),
                 HANDLED.load(Ordering::Relaxed) as f64 / HANDLER_CALLS.load(Ordering::Relaxed).max(1) as f64

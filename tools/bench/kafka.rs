@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use txinbox::IdStrategy;
 
-use crate::bench::Bench;
+use crate::bench::{Bench, Variant};
 use crate::peers::kafka_peer;
 use crate::publish::{Load, Publisher};
 use crate::report::{print_row, Mode, Row};
@@ -73,6 +73,7 @@ impl Bench {
                     producer: producer.clone(),
                     topic: topic.clone(),
                     partitions: self.args.partitions,
+                    keys: None,
                 };
                 let row = self
                     .row(
@@ -89,6 +90,7 @@ impl Bench {
             }
         };
         let window = self.source_rows("kafka", rows, kafka_row).await?;
+        self.key_rows(&admin, &producer, &brokers, topics, rows).await?;
         if !self.args.runs("peer") {
             return Ok(());
         }
@@ -100,6 +102,7 @@ impl Bench {
             producer: producer.clone(),
             topic: topic.clone(),
             partitions: self.args.partitions,
+            keys: None,
         };
         let (pool, brokers_, topic_, group) = (
             self.pool.clone(),
@@ -122,6 +125,84 @@ impl Bench {
         Ok(())
     }
 }
+
+impl Bench {
+    /// A handler waiting on slow I/O (it sleeps `--key-sleep-ms`), records of `--key-keys` keys
+    /// on `--partitions` partitions: partition ordering against key ordering, with
+    /// `--key-concurrency` transactions and the pool to match. Partition ordering runs one
+    /// transaction per partition at a time; key ordering as many as `concurrency`.
+    async fn key_rows(
+        &self,
+        admin: &rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>,
+        producer: &rdkafka::producer::FutureProducer,
+        brokers: &str,
+        topics: &std::sync::Mutex<Vec<String>>,
+        rows: &mut Vec<Row>,
+    ) -> anyhow::Result<()> {
+        use txinbox_kafka::{Keyless, Ordering};
+        if self.args.key_messages == 0 || !self.args.runs("keys") {
+            return Ok(());
+        }
+        let mut rates = Vec::new();
+        for (mode, ordering) in [
+            ("sleep/partition", Ordering::Partition),
+            ("sleep/key", Ordering::Key(Keyless::InOrder)),
+        ] {
+            let label = mode.replace('/', "-");
+            let topic = format!("bench-{label}-{}", self.run_id);
+            create_topic(admin, &topic, self.args.partitions).await?;
+            topics.lock().unwrap().push(topic.clone());
+            let name = format!("bench-kafka-{label}-{}", self.run_id);
+            let window = KEY_WINDOW;
+            let config = txinbox_kafka::KafkaConfig::new(brokers, format!("g-{name}"))
+                .topic(topic.clone())
+                .max_buffered_per_partition(window as usize)
+                .ordering(ordering);
+            let source = txinbox_kafka::KafkaSource::new(config)?;
+            let publisher = Publisher::Kafka {
+                producer: producer.clone(),
+                topic,
+                partitions: self.args.partitions,
+                keys: Some(self.args.key_keys),
+            };
+            let variant = Variant {
+                sleep: Some(Duration::from_millis(self.args.key_sleep_ms)),
+                concurrency: Some(self.args.key_concurrency),
+                ..Variant::default()
+            };
+            let load = Load::saturated(self.args.key_messages, window);
+            let mut row = self
+                .row_with(
+                    "kafka",
+                    Mode::Batched,
+                    &name,
+                    source,
+                    publisher,
+                    Some(IdStrategy::Offset),
+                    load,
+                    variant,
+                )
+                .await?;
+            row.mode = mode;
+            rates.push(row.msgs_per_sec);
+            if let [partition, key] = rates[..] {
+                row.note = format!(
+                    "{:.1}x partition ordering; {} keys on {} partitions; {}",
+                    key / partition,
+                    self.args.key_keys,
+                    self.args.partitions,
+                    row.note
+                );
+            }
+            print_row(&row);
+            rows.push(row);
+        }
+        Ok(())
+    }
+}
+
+/// The key rows' window: enough published and unsettled for every transaction slot.
+const KEY_WINDOW: u64 = 1000;
 
 pub(crate) async fn reachable(brokers: &str) -> bool {
     let first = brokers.split(',').next().unwrap_or_default().to_owned();

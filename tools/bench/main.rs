@@ -107,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
     let url = txinbox_demos::with_database(&database_url, &db_name);
     let setup = async {
         let pool = PgPoolOptions::new()
-            .max_connections(args.concurrency as u32 + 2)
+            .max_connections(args.concurrency.max(args.key_concurrency) as u32 + 2)
             .connect_with(PostgresInbox::connect_options(options))
             .await?;
         txinbox::postgres::migrate(&pool).await?;

@@ -20,6 +20,8 @@ pub(crate) enum Publisher {
         producer: rdkafka::producer::FutureProducer,
         topic: String,
         partitions: i32,
+        /// Record keys `seq % keys`; `None`: every record its own key.
+        keys: Option<u64>,
     },
     Amqp {
         channel: lapin::Channel,
@@ -36,8 +38,10 @@ impl Publisher {
                 producer,
                 topic,
                 partitions,
+                keys,
             } => {
-                let key = seq.to_string();
+                // Distinct keys, or `keys` of them; either way a key stays on one partition.
+                let key = keys.map_or(seq, |k| seq % k).to_string();
                 let mut record = rdkafka::producer::FutureRecord::to(topic)
                     .key(&key)
                     .payload(&body)

@@ -116,7 +116,7 @@ impl Kafka {
                 value: Some(m.id.as_bytes()),
             });
             let record = FutureRecord::to(&self.topic)
-                .key(m.id.as_bytes())
+                .key(m.key.as_bytes())
                 .payload(&m.payload)
                 .partition(partition as i32)
                 .headers(headers);

@@ -13,6 +13,9 @@ pub struct Outgoing {
     pub payload: Vec<u8>,
     /// Which copy of the event this is (0 for the first).
     pub copy: u32,
+    /// The Kafka record key: the payment's account (the ledger under key ordering keeps each
+    /// account's payments of a partition in order, and they batch), the ID for a malformed one.
+    pub key: String,
 }
 
 /// Everything a chaos run publishes, and what the database must end up holding.
@@ -52,12 +55,14 @@ pub fn plan(
             },
         };
         let payload = serde_json::to_vec(&payment).expect("a payment serialises");
+        let payment_account = payment.account.clone();
         expected.events.insert(id.clone(), payment);
         let wave = usize::from(i >= first_len);
         let first = Outgoing {
             id: id.clone(),
             payload,
             copy: 0,
+            key: payment_account,
         };
         if rng.u32(0..100) < duplicate_percent {
             let second = Outgoing {
@@ -93,6 +98,7 @@ pub fn plan(
                     id: id.clone(),
                     payload: payload.clone(),
                     copy,
+                    key: id.clone(),
                 },
             );
         }
