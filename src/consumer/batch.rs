@@ -402,6 +402,10 @@ where
                 }
             }
         }
+        // In one order in every transaction: two batches of the shared unordered queue holding
+        // records of the same partitions would otherwise lock their position rows in opposite
+        // orders and deadlock (40P01), as the claim's rows would without its sort.
+        positions.sort_by(|a, b| (&a.source, &a.lane).cmp(&(&b.source, &b.lane)));
         for p in &positions {
             if let Err(e) = store.save_position(&mut *tx, &self.name, p).await {
                 drop(tx.rollback().await);

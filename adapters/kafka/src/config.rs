@@ -199,8 +199,9 @@ pub enum Ordering {
     /// up to the consumer's `concurrency`. Order holds per key, not per partition. Records
     /// without a key go as [`Keyless`] says.
     Key(Keyless),
-    /// No order: any record may run beside any other, up to the consumer's `concurrency`,
-    /// and an in-place retry holds only its own record. For handlers whose effects commute.
+    /// No order: any record may run beside any other, up to the consumer's `concurrency`. An
+    /// in-place retry holds its record and those its transaction took with it. For handlers
+    /// whose effects commute.
     Unordered,
 }
 

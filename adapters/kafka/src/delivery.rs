@@ -87,7 +87,11 @@ impl Delivery for KafkaDelivery {
         // An earlier offset of this partition was dropped unsettled (shutdown during an in-place
         // retry): storing this one's position would make a restart skip it. Leave the database
         // position where it is; the restart redelivers from there and the inbox deduplicates.
-        if self.generation.has_hole_below(self.offset) {
+        // (Under key and unordered ordering what is stored comes from the tracker, whose prefix
+        // stops at the hole; this one is the record's own place, whatever its neighbours did.)
+        if self.shared.config.ordering == crate::Ordering::Partition
+            && self.generation.has_hole_below(self.offset)
+        {
             return None;
         }
         Some(Position {

@@ -198,10 +198,16 @@ impl Partition {
         self.buffered + self.in_flight
     }
 
-    /// Pause/resume with hysteresis: `Some(true)` to pause (at `high` unsettled messages),
+    /// Pause/resume with hysteresis: `Some(true)` to pause (at `high` messages tracked),
     /// `Some(false)` to resume (once down to `high / 2`), `None` to leave it as it is.
+    ///
+    /// Tracked: received and not yet behind the contiguous settled prefix, so unsettled ones
+    /// and, under key or unordered ordering, those settled past a record still held (an
+    /// in-place retry, a slow handler). Counting only the unsettled would let a held record
+    /// keep the prefix (the stored position and offset) while the rest of the partition ran on
+    /// and the window grew without bound; this way it runs on for `high` records at most.
     pub(crate) fn flow(&mut self, high: usize) -> Option<bool> {
-        let unsettled = self.unsettled();
+        let unsettled = self.window.len().max(self.unsettled());
         if !self.paused && unsettled >= high {
             self.paused = true;
             Some(true)
@@ -438,6 +444,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_held_record_pauses_the_partition_once_high_records_settled_past_it() {
+        let mut p = Partition::new(1, "t".into(), 0);
+        for o in 0..10 {
+            p.receive(o);
+            p.hand_out();
+        }
+        // Offset 0 is held (retrying in place); the other keys' records settle.
+        for o in 1..10 {
+            p.settle(o);
+        }
+        assert_eq!(p.unsettled(), 1);
+        assert_eq!(p.flow(10), Some(true), "10 tracked behind the held record: pause");
+        p.settle(0);
+        assert_eq!(p.flow(10), Some(false), "the prefix passed them all: resume");
     }
 
     #[test]
