@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use txinbox::health::{Health, RelayHealth};
 use txinbox::outbox::{Relay, RelayConfig};
 use txinbox::{Consumer, PostgresInbox};
-use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource};
+use txinbox_kafka::{KafkaConfig, KafkaPublisher, KafkaSource, Ordering};
 use txinbox_service::Deposits;
 
 /// What the service reads from the environment, with the defaults of a local run.
@@ -33,6 +33,10 @@ const ENV: &[(&str, &str)] = &[
     ("KAFKA_BROKERS", "127.0.0.1:9092"),
     ("KAFKA_TOPIC", "deposits"),
     ("KAFKA_GROUP", "deposits-service"),
+    // partition, key (each account's deposits in order, accounts side by side), unordered.
+    ("KAFKA_ORDERING", "partition"),
+    // Transactions at once; the pool gets four connections more (the relay, retention).
+    ("CONCURRENCY", "8"),
     ("EVENTS_TOPIC", "deposits.applied"),
     ("LISTEN", "127.0.0.1:8080"),
 ];
@@ -65,15 +69,26 @@ async fn run() -> Result<(), txinbox::Error> {
     let prometheus = PrometheusBuilder::new()
         .install_recorder()
         .map_err(|e| txinbox::Error::Config(format!("installing the Prometheus recorder: {e}")))?;
-    let inbox = PostgresInbox::connect(&env("DATABASE_URL"), 12).await?;
+    let concurrency: usize = env("CONCURRENCY")
+        .parse()
+        .map_err(|e| txinbox::Error::Config(format!("CONCURRENCY={}: {e}", env("CONCURRENCY"))))?;
+    let ordering: Ordering = env("KAFKA_ORDERING")
+        .parse()
+        .map_err(|e| txinbox::Error::Config(format!("KAFKA_ORDERING: {e}")))?;
+    let inbox = PostgresInbox::connect(&env("DATABASE_URL"), concurrency as u32 + 4).await?;
     txinbox::postgres::migrate(inbox.pool()).await?;
     txinbox_service::migrate(inbox.pool()).await?;
 
     let (brokers, topic, group) = (env("KAFKA_BROKERS"), env("KAFKA_TOPIC"), env("KAFKA_GROUP"));
-    let source = KafkaSource::new(KafkaConfig::new(&brokers, &group).topic(&topic))?;
+    let source = KafkaSource::new(
+        KafkaConfig::new(&brokers, &group)
+            .topic(&topic)
+            .ordering(ordering),
+    )?;
     let consumer = Consumer::builder(&group)
         .source(source)
         .inbox(inbox.clone())
+        .concurrency(concurrency)
         .handler(Deposits {
             events_topic: env("EVENTS_TOPIC"),
         })
@@ -90,7 +105,7 @@ async fn run() -> Result<(), txinbox::Error> {
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
         .map_err(|e| txinbox::Error::Config(format!("LISTEN={listen}: {e}")))?;
-    tracing::info!(%listen, %topic, %group, "consuming; serving /healthz, /readyz and /metrics");
+    tracing::info!(%listen, %topic, %group, %ordering, concurrency, "consuming; serving /healthz, /readyz and /metrics");
 
     let shutdown = CancellationToken::new();
     tokio::spawn(on_signal(shutdown.clone()));
