@@ -84,10 +84,10 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         batch_max_ms: 50,
         health_pairs: 5,
         modes: None,
-        key_messages: 3000,
+        key_messages: 8000,
         key_sleep_ms: 20,
         key_keys: 10_000,
-        key_concurrency: 48,
+        key_concurrency: 64,
     };
     let mut sleep_messages_set = false;
     let mut it = std::env::args().skip(1);
@@ -132,7 +132,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
                      [--require-brokers (an unreachable broker fails the run)]\n  \
                      [--sleep-messages N (min(messages, 4000); 0: no sleeping-handler rows)] [--sleep-ms N (5)] [--batch-max-ms N (50)]\n  \
                      [--health-pairs N (5; 0: no health cost rows)]\n  \
-                     [--key-messages N (3000; 0: no key-ordering rows)] [--key-sleep-ms N (20)] [--key-keys N (10000)] [--key-concurrency N (48)]\n  \
+                     [--key-messages N (8000; 0: no key-ordering rows)] [--key-sleep-ms N (20)] [--key-keys N (10000)] [--key-concurrency N (64)]\n  \
                      [--modes raw,per_message,batched,paced,peer,sleep,health,keys (all)]"
                 );
                 std::process::exit(0);

@@ -108,11 +108,12 @@ impl Delivery for KafkaDelivery {
             return self.position();
         }
         // Records of the partition settle out of order: the contiguous settled prefix, this
-        // record counted as settled. Nothing if the partition is no longer this assignment's.
+        // record counted as settled, unless another transaction was handed as much already.
+        // Nothing if the partition is no longer this assignment's.
         let next = {
             let mut state = self.shared.lock();
             match state.get_mut(&self.topic, self.partition) {
-                Some(p) if p.epoch() == self.generation.epoch => p.prefix_with(self.offset)?,
+                Some(p) if p.epoch() == self.generation.epoch => p.prefix_to_store(self.offset)?,
                 _ => return None,
             }
         };

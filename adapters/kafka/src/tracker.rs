@@ -66,6 +66,8 @@ pub(crate) struct Partition {
     flushed_next: Option<i64>,
     /// When a record was last received or settled.
     last_activity: std::time::Instant,
+    /// The furthest prefix handed to a transaction to store ([`prefix_to_store`](Self::prefix_to_store)).
+    handed_next: Option<i64>,
     /// In the hand-over channel, not yet handed to the runtime.
     pub(crate) buffered: usize,
     /// Handed to the runtime and not yet settled or dropped.
@@ -121,6 +123,7 @@ impl Partition {
             stored_next: None,
             flushed_next: None,
             last_activity: std::time::Instant::now(),
+            handed_next: None,
             buffered: 0,
             in_flight: 0,
             paused: false,
@@ -264,6 +267,21 @@ impl Partition {
         self.done_next
     }
 
+    /// The position a transaction settling `offset` stores ([`prefix_with`](Self::prefix_with)),
+    /// or `None` when a transaction was already handed that far or further: it stores as much
+    /// (or, if it rolls back, the position trails, which costs only duplicates after a restart;
+    /// the quiet flush catches up). Under key ordering most transactions of a partition would
+    /// otherwise write the same value again, each on the partition's one position row, where
+    /// their commits queue.
+    pub(crate) fn prefix_to_store(&mut self, offset: i64) -> Option<i64> {
+        let next = self.prefix_with(offset)?;
+        if self.handed_next.is_some_and(|h| h >= next) {
+            return None;
+        }
+        self.handed_next = Some(next);
+        Some(next)
+    }
+
     /// The contiguous settled prefix (as [`done_next`](Self::done_next)) if `offset`, a
     /// received offset not yet settled, were settled too: the position a transaction that
     /// settles `offset` may store. `None` while nothing before the prefix's end is known
@@ -367,6 +385,7 @@ mod tests {
             let mut model: Vec<(i64, Model)> = Vec::new();
             let mut next_offset = start;
             let mut stored: Option<i64> = None;
+            let mut handed_max: Option<i64> = None;
             for step in 0..300 {
                 let ctx = || format!("seed {seed} step {step}");
                 match rng.u8(0..10) {
@@ -385,8 +404,18 @@ mod tests {
                         }
                         let i = open[rng.usize(..open.len())];
                         let offset = model[i].0;
-                        // The transaction stores the prefix counting itself, then commits, then settles.
-                        if let Some(next) = p.prefix_with(offset) {
+                        // The transaction stores the prefix counting itself (if no other was handed
+                        // as far), then commits, then settles.
+                        let handed = p.prefix_to_store(offset);
+                        if let Some(next) = handed {
+                            assert!(
+                                handed_max.is_none_or(|h| h < next),
+                                "{}: {next} handed again",
+                                ctx()
+                            );
+                            handed_max = Some(next);
+                        }
+                        if let Some(next) = handed.or(p.prefix_with(offset)) {
                             for &(o, m) in &model {
                                 if o < next {
                                     assert!(
