@@ -23,15 +23,19 @@ use crate::state::{Item, Shared, State};
 
 /// A Kafka consumer-group member as a [`MessageSource`].
 ///
-/// - **Lanes**: one per topic-partition (`Lane::Ordered("topic/partition")`): partitions are
-///   processed concurrently, each in offset order.
+/// - **Lanes**: by default one per topic-partition (`Lane::Ordered("topic/partition")`):
+///   partitions are processed concurrently, each in offset order. With
+///   [`KafkaConfig::ordering`] one per record key within a partition, or none: then a
+///   partition's records settle out of order and its offset and database position move only to
+///   the contiguous settled prefix ([`Delivery::position_to_store`]), stored again when the
+///   partition is given up or quiet.
 /// - **Offsets**: `enable.auto.offset.store=false`; a partition's stored offset is its highest
 ///   contiguous settled offset + 1, so nothing is stored for a message whose transaction has not
 ///   committed. Stored offsets reach the group through librdkafka's auto-commit (for lag tools)
 ///   and synchronously on revocation and close.
 /// - **Positions**: [`Delivery::position`] is `(topic, partition, offset + 1)`, which the runtime
-///   stores with the effects. On assignment each partition starts at the database position when
-///   there is one. That makes a crash between the database commit and the offset commit, and a
+///   stores with the effects under partition ordering. On assignment each partition starts at
+///   the database position when there is one. That makes a crash between the database commit and the offset commit, and a
 ///   database restore, resume exactly where the database's state ends. Without one: at
 ///   `auto.offset.reset` when the group has no committed offset either, else as
 ///   [`KafkaConfig::on_missing_position`] says (default: hold the partition until a position is
@@ -57,6 +61,7 @@ use crate::state::{Item, Shared, State};
 ///   counted, settled (the database's row is the record). Transient: retried while assigned.
 ///
 /// [`Delivery::position`]: txinbox::Delivery::position
+/// [`Delivery::position_to_store`]: txinbox::Delivery::position_to_store
 pub struct KafkaSource {
     shared: Arc<Shared>,
     rx: mpsc::UnboundedReceiver<Result<Item, SourceError>>,
