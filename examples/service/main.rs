@@ -33,7 +33,8 @@ const ENV: &[(&str, &str)] = &[
     ("KAFKA_BROKERS", "127.0.0.1:9092"),
     ("KAFKA_TOPIC", "deposits"),
     ("KAFKA_GROUP", "deposits-service"),
-    // partition, key (each account's deposits in order, accounts side by side), unordered.
+    // partition, key (each account's deposits in order, accounts side by side),
+    // key-or-unordered (deposits without a key in no order), unordered.
     ("KAFKA_ORDERING", "partition"),
     // Transactions at once; the pool gets four connections more (the relay, retention).
     ("CONCURRENCY", "8"),
@@ -75,7 +76,11 @@ async fn run() -> Result<(), txinbox::Error> {
     let ordering: Ordering = env("KAFKA_ORDERING")
         .parse()
         .map_err(|e| txinbox::Error::Config(format!("KAFKA_ORDERING: {e}")))?;
-    let inbox = PostgresInbox::connect(&env("DATABASE_URL"), concurrency as u32 + 4).await?;
+    let pool_size = u32::try_from(concurrency)
+        .ok()
+        .and_then(|c| c.checked_add(4))
+        .ok_or_else(|| txinbox::Error::Config(format!("CONCURRENCY={concurrency} is too large")))?;
+    let inbox = PostgresInbox::connect(&env("DATABASE_URL"), pool_size).await?;
     txinbox::postgres::migrate(inbox.pool()).await?;
     txinbox_service::migrate(inbox.pool()).await?;
 

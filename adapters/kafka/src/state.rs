@@ -231,15 +231,31 @@ impl Shared {
             return;
         };
         tracing::debug!(?prefixes, "storing the settled positions of partitions given up");
+        let mut stored = 0;
         let all = async {
             for p in &prefixes {
                 if let Err(e) = positions.advance(p).await {
-                    tracing::info!(topic = %p.source, partition = %p.lane, error = %e, "storing the settled position of a partition given up failed; the next reader reads its last records again (duplicates)");
+                    tracing::info!(topic = %p.source, partition = %p.lane, error = %e, "storing the settled position of a partition failed; a restart reads its last records again (duplicates) unless a later write succeeds");
+                    break;
                 }
+                stored += 1;
             }
         };
         if tokio::time::timeout(PREFIX_FLUSH_TIMEOUT, all).await.is_err() {
-            tracing::info!(timeout = ?PREFIX_FLUSH_TIMEOUT, "storing the settled positions of partitions given up took too long; the next reader reads their last records again (duplicates)");
+            tracing::info!(timeout = ?PREFIX_FLUSH_TIMEOUT, "storing the settled positions of partitions took too long; a restart reads their last records again (duplicates) unless a later write succeeds");
+        }
+        // Those not stored: a partition still assigned flushes them at its next quiet spell.
+        if stored < prefixes.len() {
+            let mut state = self.lock();
+            for p in &prefixes[stored..] {
+                if let (Ok(partition), Some(parts)) =
+                    (p.lane.parse::<i32>(), state.partitions.get_mut(&p.source))
+                {
+                    if let Some(part) = parts.get_mut(&partition) {
+                        part.flush_failed(p.next);
+                    }
+                }
+            }
         }
     }
 

@@ -229,6 +229,14 @@ impl Partition {
         self.flushed_next = Some(next);
     }
 
+    /// A flush of `next` ([`take_quiet_flush`](Self::take_quiet_flush)) failed: the next quiet
+    /// spell tries again.
+    pub(crate) fn flush_failed(&mut self, next: i64) {
+        if self.flushed_next == Some(next) {
+            self.flushed_next = None;
+        }
+    }
+
     /// The settled prefix to store as the database position, once the partition has been
     /// quiet (nothing received unsettled, nothing received or settled) for `quiet`, if it moved
     /// past the last one flushed. Under key and unordered ordering each transaction stores a
@@ -406,13 +414,16 @@ mod tests {
                         let offset = model[i].0;
                         // The transaction stores the prefix counting itself (if no other was handed
                         // as far), then commits, then settles.
+                        let could = p.prefix_with(offset);
                         let handed = p.prefix_to_store(offset);
+                        let expected = could.filter(|c| handed_max.is_none_or(|h| h < *c));
+                        assert_eq!(
+                            handed,
+                            expected,
+                            "{}: handed {handed:?}, furthest before {handed_max:?}, prefix {could:?}",
+                            ctx()
+                        );
                         if let Some(next) = handed {
-                            assert!(
-                                handed_max.is_none_or(|h| h < next),
-                                "{}: {next} handed again",
-                                ctx()
-                            );
                             handed_max = Some(next);
                         }
                         if let Some(next) = handed.or(p.prefix_with(offset)) {
@@ -517,6 +528,8 @@ mod tests {
         );
         assert_eq!(p.take_quiet_flush(quiet), Some(13));
         assert_eq!(p.take_quiet_flush(quiet), None, "once");
+        p.flush_failed(13);
+        assert_eq!(p.take_quiet_flush(quiet), Some(13), "again after a failed write");
     }
 
     #[test]
