@@ -312,6 +312,29 @@ where
         store.load_positions(c, "orders").await.unwrap(),
         [("1".to_string(), 11)]
     );
+    // What a source stores itself when it gives a lane up or the lane is quiet
+    // (`PositionStore::advance`, Kafka under key ordering): in a transaction of its own,
+    // forward only (a late prefix must not take the position back).
+    let advance = |next| {
+        let p = Position { next, ..p1.clone() };
+        let store = store.clone();
+        async move {
+            txinbox::position::PositionStore::advance(&*store, c, &p)
+                .await
+                .unwrap()
+        }
+    };
+    advance(9).await;
+    assert_eq!(
+        store.load_positions(c, "orders").await.unwrap(),
+        [("1".to_string(), 11)],
+        "advance never moves a position back"
+    );
+    advance(15).await;
+    assert_eq!(
+        store.load_positions(c, "orders").await.unwrap(),
+        [("1".to_string(), 15)]
+    );
 
     // Two concurrent claims of one key: the second waits for the first, then sees a duplicate.
     let e = Arc::new(Keyed::new("e", "payload-e"));
