@@ -375,20 +375,10 @@ where
         // COMMIT would roll it back without an error. Which handler did it is unknown, so every
         // message of the batch then runs alone.
         let claimed: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
-        match store.confirm_batch(&mut *tx, &claimed).await {
-            Ok(true) => {}
-            Ok(false) | Err(_) => {
-                drop(tx.rollback().await);
-                tracing::info!(
-                size = batch.len(),
-                "a batch's transaction was aborted by a statement a handler ignored; each message runs alone"
-            );
-                return Ok(Trip::Unknown(false));
-            }
-        }
         // One position per source lane: the furthest of the batch (every item here is processed
         // or a duplicate, both of which move the position; each item's position counts itself
-        // as settled, so the furthest is as true as any).
+        // as settled, so the furthest is as true as any). Asked now, after the handlers: under
+        // key ordering the settled prefix a delivery answers with moves on while the batch runs.
         let mut positions: Vec<Position> = Vec::new();
         for item in &batch[..claims.len()] {
             if let Some(p) = item.delivery.position_to_store() {
@@ -406,10 +396,22 @@ where
         // records of the same partitions would otherwise lock their position rows in opposite
         // orders and deadlock (40P01), as the claim's rows would without its sort.
         positions.sort_by(|a, b| (&a.source, &a.lane).cmp(&(&b.source, &b.lane)));
-        for p in &positions {
-            if let Err(e) = store.save_position(&mut *tx, &self.name, p).await {
+        match store
+            .confirm_and_save_positions(&mut *tx, &claimed, &self.name, &positions)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
                 drop(tx.rollback().await);
-                tracing::info!(error = %e, "storing a batch's position failed; each message runs alone");
+                tracing::info!(
+                    size = batch.len(),
+                    "a batch's transaction was aborted by a statement a handler ignored; each message runs alone"
+                );
+                return Ok(Trip::Unknown(false));
+            }
+            Err(e) => {
+                drop(tx.rollback().await);
+                tracing::info!(error = %e, "checking a batch's transaction or storing its position failed; each message runs alone");
                 return Ok(Trip::Unknown(e.is_contention()));
             }
         }

@@ -337,7 +337,11 @@ where
         // failed statement run on the connection directly, would make PostgreSQL roll back at
         // COMMIT without reporting an error, and the message would be acked with nothing
         // committed.
-        match store.confirm(&mut *tx, entry).await {
+        let positions = position.as_slice();
+        match store
+            .confirm_and_save_positions(&mut *tx, std::slice::from_ref(entry), &self.name, positions)
+            .await
+        {
             Ok(true) => {}
             Ok(false) => {
                 drop(tx.rollback().await);
@@ -348,13 +352,10 @@ where
             }
             Err(e) => {
                 drop(tx.rollback().await);
-                return Err(failed("checking the transaction before COMMIT failed", e));
-            }
-        }
-        if let Some(p) = position {
-            if let Err(e) = store.save_position(&mut *tx, &self.name, &p).await {
-                drop(tx.rollback().await);
-                return Err(failed("storing the position failed", e));
+                return Err(failed(
+                    "checking the transaction before COMMIT (and storing the position) failed",
+                    e,
+                ));
             }
         }
         crate::crash::hit(crate::crash::AFTER_HANDLER);

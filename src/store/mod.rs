@@ -104,6 +104,35 @@ pub trait InboxStore: Send + Sync + 'static {
         }
     }
 
+    /// The last step before COMMIT: [`confirm_batch`](Self::confirm_batch) for `entries`, then,
+    /// only if it confirms, [`save_position`](Self::save_position) for each of `positions`
+    /// (distinct lanes, in the order given: callers sort them so that two transactions lock
+    /// position rows in one order). `Ok(false)` writes no position.
+    ///
+    /// One step so that a store can do it in one round trip: a source with positions (Kafka)
+    /// otherwise pays a statement per transaction more than one without. The check comes first
+    /// and gates the write because a handler that ended the transaction itself leaves the
+    /// connection outside any transaction: a position written there would commit on its own,
+    /// past a message whose effects were rolled back.
+    ///
+    /// The default runs the two in turn; [`PostgresInbox`](crate::PostgresInbox) runs them as
+    /// one statement.
+    async fn confirm_and_save_positions(
+        &self,
+        conn: &mut Connection<Self>,
+        entries: &[Entry<'_>],
+        consumer: &str,
+        positions: &[Position],
+    ) -> Result<bool, StoreError> {
+        if !self.confirm_batch(conn, entries).await? {
+            return Ok(false);
+        }
+        for p in positions {
+            self.save_position(conn, consumer, p).await?;
+        }
+        Ok(true)
+    }
+
     /// Stores `position.next` as the consumer's next position for the position's lane.
     async fn save_position(
         &self,

@@ -220,6 +220,26 @@ VALUES ($1, $2, $3, $4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = EXCLUDED.next_position, updated_at = now()";
 
+/// `confirm` and [`SAVE_POSITION`] for several lanes in one statement (`$1` consumer and `$2`
+/// message ID of the entry to confirm, `$3` the positions' consumer, `$4`..`$6` their sources,
+/// lanes and next positions, written in the order given). The positions are written only if
+/// the transaction holds the entry's row as processed; `ok` says whether it does. As in
+/// `confirm`, the status is compared in the select list, so only the primary key can answer.
+const CONFIRM_AND_SAVE_POSITIONS: &str = "\
+WITH held AS (
+    SELECT status = 'processed' AS ok FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2
+), saved AS (
+    INSERT INTO txinbox.positions (consumer, source, lane, next_position)
+    SELECT $3, t.source, t.lane, t.next
+    FROM UNNEST($4::text[], $5::text[], $6::int8[]) WITH ORDINALITY AS t(source, lane, next, n)
+    WHERE (SELECT ok FROM held)
+    ORDER BY t.n
+    ON CONFLICT (consumer, source, lane) DO UPDATE
+        SET next_position = EXCLUDED.next_position, updated_at = now()
+    RETURNING 1
+)
+SELECT COALESCE((SELECT ok FROM held), false), (SELECT count(*) FROM saved)";
+
 /// [`SAVE_POSITION`] that never moves a stored position back.
 const ADVANCE_POSITION: &str = "\
 INSERT INTO txinbox.positions AS p (consumer, source, lane, next_position)
@@ -355,6 +375,42 @@ impl InboxStore for PostgresInbox {
             // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
             Err(e) => Err(classify(e)),
+        }
+    }
+
+    async fn confirm_and_save_positions(
+        &self,
+        conn: &mut PgConnection,
+        entries: &[Entry<'_>],
+        consumer: &str,
+        positions: &[Position],
+    ) -> Result<bool, StoreError> {
+        let Some(first) = entries.first() else {
+            for p in positions {
+                self.save_position(conn, consumer, p).await?;
+            }
+            return Ok(true);
+        };
+        if positions.is_empty() {
+            return self.confirm(conn, first).await;
+        }
+        let sources: Vec<&str> = positions.iter().map(|p| &*p.source).collect();
+        let lanes: Vec<&str> = positions.iter().map(|p| &*p.lane).collect();
+        let nexts: Vec<i64> = positions.iter().map(|p| p.next).collect();
+        let row = sqlx::query_as::<_, (bool, i64)>(CONFIRM_AND_SAVE_POSITIONS)
+            .bind(first.consumer)
+            .bind(first.id.as_str())
+            .bind(consumer)
+            .bind(&sources)
+            .bind(&lanes)
+            .bind(&nexts)
+            .fetch_one(conn)
+            .await;
+        match row {
+            Ok((held, _)) => Ok(held),
+            // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
+            Err(e) => Err(self.classify(e)),
         }
     }
 

@@ -6,7 +6,7 @@
 //! | function | the contract it checks | the runner provides |
 //! |---|---|---|
 //! | [`contract`] | claims, duplicates, conflicts, failures that never burn the key, dead letters (idempotent), positions, concurrent claims of one key | `dead_letters(reason)`: how many dead letters the store holds with that reason |
-//! | [`batches`] | `claim_batch` / `confirm_batch` decide like `claim`, in one transaction | — |
+//! | [`batches`] | `claim_batch` / `confirm_batch` decide like `claim`, in one transaction; `confirm_and_save_positions` writes positions only when confirmed | — |
 //! | [`duplicates`] | `record_duplicates` counts per entry, only when committed | `duplicates(id)`: the stored duplicate count of consumer `"dups"`'s row `id` |
 //! | [`subscriptions`] | one consumer group per consumer name and topic | — |
 //! | [`retention`] | the consumer's retention deletes old terminal rows, keeps recent, `retrying` and not-yet-read ones (stores whose `retention_pool` is `Some`) | — |
@@ -544,11 +544,85 @@ where
         !store.confirm_batch(&mut *tx, &batch).await.unwrap(),
         "a batch whose transaction was rolled back under it is not confirmed"
     );
-    drop(tx);
+    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
     assert_eq!(
         claim(&*store, &u.entry(c), false).await,
         Claim::New { attempt: 1 }
     );
+
+    // The last step before COMMIT (`confirm_and_save_positions`): a transaction ended under it
+    // is not confirmed and writes no position, not even outside the transaction (on the
+    // connection it would commit on its own, past messages whose effects were rolled back).
+    let positions = |next: i64| {
+        ["0", "1"].map(|lane| Position {
+            source: "confirmed".into(),
+            lane: lane.into(),
+            next: next + i64::from(lane == "1"),
+        })
+    };
+    let stored = || async {
+        let mut p = store.load_positions(c, "confirmed").await.unwrap();
+        p.sort();
+        p
+    };
+    let (s1, s2) = (Keyed::new("s1", "p-s1"), Keyed::new("s2", "p-s2"));
+    let batch = [s1.entry(c), s2.entry(c)];
+    let mut tx = store.begin().await.unwrap();
+    store.claim_batch(&mut *tx, &batch).await.unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert!(
+        !store
+            .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
+            .await
+            .unwrap(),
+        "a transaction rolled back under it is not confirmed"
+    );
+    // Back inside a transaction, so that the connection returns to the pool as it left it.
+    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(
+        stored().await.is_empty(),
+        "an unconfirmed transaction's positions are not written"
+    );
+    // Confirmed: every lane's position is written, with the transaction.
+    let mut tx = store.begin().await.unwrap();
+    store.claim_batch(&mut *tx, &batch).await.unwrap();
+    assert!(store
+        .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
+    assert!(stored().await.is_empty(), "rolled back with the transaction");
+    let mut tx = store.begin().await.unwrap();
+    store.claim_batch(&mut *tx, &batch).await.unwrap();
+    assert!(store
+        .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
+        .await
+        .unwrap());
+    store.commit(tx).await.unwrap();
+    assert_eq!(stored().await, [("0".to_string(), 5), ("1".to_string(), 6)]);
+    // Nothing claimed (a batch of duplicates): the positions are written as `save_position`
+    // writes them, overwriting; with no position it only confirms.
+    let mut tx = store.begin().await.unwrap();
+    assert!(store
+        .confirm_and_save_positions(&mut *tx, &[], c, &positions(3))
+        .await
+        .unwrap());
+    store.commit(tx).await.unwrap();
+    assert_eq!(stored().await, [("0".to_string(), 3), ("1".to_string(), 4)]);
+    let mut tx = store.begin().await.unwrap();
+    let lone = Keyed::new("s3", "p-s3");
+    store.claim_batch(&mut *tx, &[lone.entry(c)]).await.unwrap();
+    assert!(store
+        .confirm_and_save_positions(&mut *tx, &[lone.entry(c)], c, &[])
+        .await
+        .unwrap());
+    assert!(!store
+        .confirm_and_save_positions(&mut *tx, &[not_claimed.entry(c)], c, &[])
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
 
     // An empty batch claims nothing.
     let mut tx = store.begin().await.unwrap();
