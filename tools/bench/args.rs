@@ -38,6 +38,8 @@ pub(crate) struct Args {
     pub(crate) key_sleep_ms: u64,
     pub(crate) key_keys: u64,
     pub(crate) key_concurrency: usize,
+    /// The Kafka consumer's ordering in the Kafka rows other than `keys` (partition by default).
+    pub(crate) kafka_ordering: txinbox_kafka::Ordering,
 }
 
 /// The kinds of rows `--modes` selects from: `paced` is the fixed-rate rows, `sleep` the
@@ -88,6 +90,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
         key_sleep_ms: 20,
         key_keys: 10_000,
         key_concurrency: 64,
+        kafka_ordering: txinbox_kafka::Ordering::Partition,
     };
     let mut sleep_messages_set = false;
     let mut it = std::env::args().skip(1);
@@ -122,6 +125,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
             "--key-sleep-ms" => a.key_sleep_ms = value()?.parse()?,
             "--key-keys" => a.key_keys = value()?.parse()?,
             "--key-concurrency" => a.key_concurrency = value()?.parse()?,
+            "--kafka-ordering" => a.kafka_ordering = value()?.parse().map_err(anyhow::Error::msg)?,
             "--help" | "-h" => {
                 println!(
                     "cargo run --release --example bench -- [--messages N (50000)] [--per-message N (min(messages, 10000))]\n  \
@@ -133,6 +137,7 @@ pub(crate) fn parse_args() -> anyhow::Result<Args> {
                      [--sleep-messages N (min(messages, 4000); 0: no sleeping-handler rows)] [--sleep-ms N (5)] [--batch-max-ms N (50)]\n  \
                      [--health-pairs N (5; 0: no health cost rows)]\n  \
                      [--key-messages N (8000; 0: no key-ordering rows)] [--key-sleep-ms N (20)] [--key-keys N (10000)] [--key-concurrency N (64)]\n  \
+                     [--kafka-ordering partition|key|key-or-unordered|unordered (partition; the Kafka rows but keys)]\n  \
                      [--modes raw,per_message,batched,paced,peer,sleep,health,keys (all)]"
                 );
                 std::process::exit(0);

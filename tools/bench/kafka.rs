@@ -67,7 +67,8 @@ impl Bench {
                 let name = format!("bench-kafka-{label}-{}", self.run_id);
                 let config = txinbox_kafka::KafkaConfig::new(brokers.clone(), format!("g-{name}"))
                     .topic(topic.clone())
-                    .max_buffered_per_partition(load.window as usize);
+                    .max_buffered_per_partition(load.window as usize)
+                    .ordering(self.args.kafka_ordering);
                 let source = txinbox_kafka::KafkaSource::new(config)?;
                 let publisher = Publisher::Kafka {
                     producer: producer.clone(),

@@ -153,9 +153,14 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         if args.pgbench {
-            for batch in [1, args.batch_size] {
+            for (batch, like_txinbox) in [
+                (1, false),
+                (1, true),
+                (args.batch_size, false),
+                (args.batch_size, true),
+            ] {
                 bench.checkpoint().await;
-                match bench.pgbench(batch) {
+                match bench.pgbench(batch, like_txinbox) {
                     Ok(row) => {
                         print_row(&row);
                         rows.push(row);
@@ -182,8 +187,22 @@ async fn main() -> anyhow::Result<()> {
             if let (Some(b), Some(p)) = (rate(source, "batched"), rate(source, "per_message")) {
                 println!("{source}: batched / per_message = {:.1}x", b / p);
             }
-            if let (Some(b), Some(g)) = (rate(source, "batched"), rate("pgbench", "batched")) {
-                println!("{source}: batched / pgbench batched = {:.0}%", 100.0 * b / g);
+            for mode in ["per_message", "batched"] {
+                let like = format!("{mode}_like");
+                if let (Some(b), Some(g)) = (rate(source, mode), rate("pgbench", mode)) {
+                    let as_txinbox = rate("pgbench", &like).map_or(String::new(), |l| {
+                        format!(", / pgbench {like} (the same statements) = {:.0}%", 100.0 * b / l)
+                    });
+                    println!(
+                        "{source}: {mode} / pgbench {mode} = {:.0}%{as_txinbox}",
+                        100.0 * b / g
+                    );
+                }
+            }
+            if let (Some(b), Some(m)) = (rate(source, "batched"), rate("memory", "batched")) {
+                if source != "memory" {
+                    println!("{source}: batched / memory batched = {:.0}%", 100.0 * b / m);
+                }
             }
             if let (Some(b), Some(r)) = (rate(source, "batched"), rate(source, "raw")) {
                 println!("{source}: batched / raw = {:.0}%", 100.0 * b / r);

@@ -136,6 +136,11 @@ pub(crate) fn sent_at(payload: &[u8]) -> Option<u64> {
 pub(crate) struct CpuUse {
     /// This process: the consumer, the publisher and the client libraries' threads.
     pub(crate) process: f64,
+    /// PostgreSQL's processes (`postgres`, backends included; a backend that exits within the
+    /// row, as pgbench's do, counts through its parent's reaped-children time).
+    pub(crate) postgres: f64,
+    /// The brokers' processes (`tansu`, RabbitMQ's `beam.smp`).
+    pub(crate) broker: f64,
     /// The whole machine: this process plus the broker, PostgreSQL and anything else.
     pub(crate) machine: f64,
 }
@@ -145,6 +150,8 @@ pub(crate) struct CpuUse {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CpuMeter {
     pub(crate) process: u64,
+    pub(crate) postgres: u64,
+    pub(crate) broker: u64,
     pub(crate) busy: u64,
     pub(crate) total: u64,
     pub(crate) at: Instant,
@@ -156,13 +163,24 @@ impl CpuMeter {
         // /proc/self/stat: utime, stime, cutime and cstime are the 14th to 17th fields (the
         // children's once waited for: pgbench's). The 2nd, the command name in parentheses, may
         // contain spaces, so count from after its closing ')'.
-        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let process = fields
-            .get(11..15)?
-            .iter()
-            .map(|f| f.parse::<u64>().ok())
-            .sum::<Option<u64>>()?;
+        let process = process_ticks(&std::fs::read_to_string("/proc/self/stat").ok()?)?.1;
+        let (mut postgres, mut broker) = (0, 0);
+        for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            let Some((comm, ticks)) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| process_ticks(&stat))
+            else {
+                continue;
+            };
+            match comm.as_str() {
+                "postgres" => postgres += ticks,
+                "tansu" | "beam.smp" => broker += ticks,
+                _ => {}
+            }
+        }
         // /proc/stat's first line: user nice system idle iowait irq softirq steal, in ticks.
         let machine = std::fs::read_to_string("/proc/stat").ok()?;
         let ticks: Vec<u64> = machine
@@ -177,6 +195,8 @@ impl CpuMeter {
         let idle = ticks.get(3)? + ticks.get(4)?;
         Some(CpuMeter {
             process,
+            postgres,
+            broker,
             busy: total - idle,
             total,
             at: Instant::now(),
@@ -195,9 +215,27 @@ impl CpuMeter {
         }
         Some(CpuUse {
             process: now.process.saturating_sub(self.process) as f64 / seconds,
+            postgres: now.postgres.saturating_sub(self.postgres) as f64 / seconds,
+            broker: now.broker.saturating_sub(self.broker) as f64 / seconds,
             machine: 100.0 * cores * now.busy.saturating_sub(self.busy) as f64 / total,
         })
     }
+}
+
+/// A `/proc/PID/stat` line's command name and CPU ticks: utime, stime, cutime and cstime, the
+/// 14th to 17th fields (the children's once waited for: pgbench's, or a postmaster's exited
+/// backends). The 2nd, the command name in parentheses, may contain spaces, so the fields are
+/// counted from after its closing ')'.
+fn process_ticks(stat: &str) -> Option<(String, u64)> {
+    let (head, rest) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(')?.1.to_owned();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = fields
+        .get(11..15)?
+        .iter()
+        .map(|f| f.parse::<u64>().ok())
+        .sum::<Option<u64>>()?;
+    Some((comm, ticks))
 }
 
 /// Resets the process's peak RSS (VmHWM) so the next reading covers one row only.

@@ -9,14 +9,34 @@ use crate::report::Row;
 impl Bench {
     /// pgbench, `clients` connections for `seconds`, each transaction inserting `batch` inbox
     /// rows and `batch` effect rows: what PostgreSQL itself commits on this machine.
-    pub(crate) fn pgbench(&self, batch: usize) -> anyhow::Result<Row> {
-        let script = format!(
-            "BEGIN;\n\
-             INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ON CONFLICT (consumer, message_id) DO NOTHING;\n\
-             INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
-             COMMIT;\n"
-        );
-        let path = std::env::temp_dir().join(format!("txinbox-bench-{}-{batch}.sql", self.run_id));
+    ///
+    /// `like_txinbox`: the statements the consumer sends instead of the least that inserts the
+    /// same rows: its claim (`ON CONFLICT DO UPDATE … RETURNING`, rows in key order) and its
+    /// check before COMMIT (a primary-key probe), one round trip more. The difference between
+    /// the two pgbench rows is what the guarantee costs PostgreSQL; the difference between this
+    /// one and the consumer's row is what the runtime costs. (The probe's key is a sub-select:
+    /// `currval` is volatile, and compared directly it would make the probe a scan.)
+    pub(crate) fn pgbench(&self, batch: usize, like_txinbox: bool) -> anyhow::Result<Row> {
+        let script = if like_txinbox {
+            format!(
+                "BEGIN;\n\
+                 INSERT INTO txinbox.inbox AS i (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ORDER BY 2 ON CONFLICT (consumer, message_id) DO UPDATE SET status = 'processed', attempts = i.attempts + 1, processed_at = now() WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint RETURNING i.message_id, i.attempts;\n\
+                 INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
+                 SELECT status FROM txinbox.inbox WHERE consumer = 'pgbench' AND message_id = (SELECT 'pgb-' || currval('bench_pgb_seq'));\n\
+                 COMMIT;\n"
+            )
+        } else {
+            format!(
+                "BEGIN;\n\
+                 INSERT INTO txinbox.inbox (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ON CONFLICT (consumer, message_id) DO NOTHING;\n\
+                 INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
+                 COMMIT;\n"
+            )
+        };
+        let path = std::env::temp_dir().join(format!(
+            "txinbox-bench-{}-{batch}-{like_txinbox}.sql",
+            self.run_id
+        ));
         std::fs::write(&path, script)?;
         let clients = self.args.concurrency.to_string();
         let meter = CpuMeter::start();
@@ -48,7 +68,12 @@ impl Bench {
         let transactions = field("number of transactions actually processed: ").unwrap_or(0.0);
         Ok(Row {
             source: "pgbench".into(),
-            mode: if batch == 1 { "per_message" } else { "batched" },
+            mode: match (batch == 1, like_txinbox) {
+                (true, false) => "per_message",
+                (false, false) => "batched",
+                (true, true) => "per_message_like",
+                (false, true) => "batched_like",
+            },
             messages: transactions as u64 * batch as u64,
             msgs_per_sec: tps * batch as f64,
             p50_ms: None,
@@ -56,7 +81,8 @@ impl Bench {
             peak_rss_mb: None,
             cpu,
             note: format!(
-                "{batch} inbox + {batch} effect rows per transaction, -c {clients} -j 2 -M prepared, {}s; latency avg {} ms",
+                "{batch} inbox + {batch} effect rows per transaction{}, -c {clients} -j 2 -M prepared, {}s; latency avg {} ms",
+                if like_txinbox { ", txinbox's statements (claim, effect, check before COMMIT)" } else { "" },
                 self.args.pgbench_seconds,
                 latency.map_or("?".into(), |l| format!("{l:.2}"))
             ),

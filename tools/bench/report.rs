@@ -37,8 +37,8 @@ pub(crate) struct Row {
     pub(crate) p50_ms: Option<f64>,
     pub(crate) p99_ms: Option<f64>,
     pub(crate) peak_rss_mb: Option<f64>,
-    /// CPU used over the row, in percent of one core: this process, and the whole machine
-    /// (broker, PostgreSQL and all). A machine near `cores × 100` is saturated: what limits the
+    /// CPU used over the row, in percent of one core: this process, PostgreSQL, the broker,
+    /// and the whole machine (all of them and anything else). A machine near `cores × 100` is saturated: what limits the
     /// row is CPU, shared by everything on it.
     pub(crate) cpu: Option<CpuUse>,
     pub(crate) note: String,
@@ -55,6 +55,8 @@ impl Row {
             "p99_ms": self.p99_ms,
             "peak_rss_mb": self.peak_rss_mb,
             "cpu_process_pct": self.cpu.map(|c| c.process.round()),
+            "cpu_postgres_pct": self.cpu.map(|c| c.postgres.round()),
+            "cpu_broker_pct": self.cpu.map(|c| c.broker.round()),
             "cpu_machine_pct": self.cpu.map(|c| c.machine.round()),
             "note": self.note,
         })
@@ -71,14 +73,14 @@ pub(crate) fn fmt_opt(v: Option<f64>, width: usize) -> String {
 
 pub(crate) fn header() {
     println!(
-        "{:<18} {:<12} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9}  note",
-        "source", "mode", "messages", "msg/s", "p50 ms", "p99 ms", "peak MiB", "cpu %"
+        "{:<18} {:<12} {:>9} {:>10} {:>9} {:>9} {:>10} {:>16}  note",
+        "source", "mode", "messages", "msg/s", "p50 ms", "p99 ms", "peak MiB", "cpu % p/pg/b/all"
     );
 }
 
 pub(crate) fn print_row(r: &Row) {
     println!(
-        "{:<18} {:<12} {:>9} {:>10.0} {} {} {} {:>9}  {}",
+        "{:<18} {:<12} {:>9} {:>10.0} {} {} {} {:>16}  {}",
         r.source,
         r.mode,
         r.messages,
@@ -86,8 +88,10 @@ pub(crate) fn print_row(r: &Row) {
         fmt_opt(r.p50_ms, 9),
         fmt_opt(r.p99_ms, 9),
         fmt_opt(r.peak_rss_mb, 10),
-        r.cpu
-            .map_or("-".into(), |c| format!("{:.0}/{:.0}", c.process, c.machine)),
+        r.cpu.map_or("-".into(), |c| format!(
+            "{:.0}/{:.0}/{:.0}/{:.0}",
+            c.process, c.postgres, c.broker, c.machine
+        )),
         r.note
     );
 }
