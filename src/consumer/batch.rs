@@ -379,6 +379,9 @@ where
         // or a duplicate, both of which move the position; each item's position counts itself
         // as settled, so the furthest is as true as any). Asked now, after the handlers: under
         // key ordering the settled prefix a delivery answers with moves on while the batch runs.
+        // A prefix handed to a transaction that then fails its check is not handed again: the
+        // stored position trails (never passes an unsettled offset) until a later transaction
+        // or the source's own flush moves it, as after a failed COMMIT.
         let mut positions: Vec<Position> = Vec::new();
         for item in &batch[..claims.len()] {
             if let Some(p) = item.delivery.position_to_store() {

@@ -394,6 +394,12 @@ impl InboxStore for PostgresInbox {
         if positions.is_empty() {
             return self.confirm(conn, first).await;
         }
+        debug_assert!(
+            positions.iter().enumerate().all(|(i, p)| positions[..i]
+                .iter()
+                .all(|q| (&q.source, &q.lane) != (&p.source, &p.lane))),
+            "one position per lane: ON CONFLICT DO UPDATE cannot update a row twice"
+        );
         let sources: Vec<&str> = positions.iter().map(|p| &*p.source).collect();
         let lanes: Vec<&str> = positions.iter().map(|p| &*p.lane).collect();
         let nexts: Vec<i64> = positions.iter().map(|p| p.next).collect();
