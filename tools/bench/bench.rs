@@ -158,9 +158,22 @@ impl Bench {
                 } else {
                     1
                 };
+                // A row with a concurrency of its own gets a pool to match (the keys rows, 64);
+                // every other row shares the run's pool of `--concurrency` + 2. One pool sized
+                // for the keys rows (66) cost the one-message rows 10–25 % (alternated runs,
+                // `--key-concurrency 64` against 8).
+                let inbox = match variant.concurrency {
+                    Some(c) if c != self.args.concurrency => PostgresInbox::new(
+                        txinbox::sqlx::postgres::PgPoolOptions::new()
+                            .max_connections(c as u32 + 2)
+                            .connect_with((*self.pool.connect_options()).clone())
+                            .await?,
+                    ),
+                    _ => self.inbox(),
+                };
                 let mut builder = Consumer::builder(name)
                     .source(timed)
-                    .inbox(self.inbox())
+                    .inbox(inbox)
                     .handler(())
                     .concurrency(concurrency)
                     .max_in_flight(self.args.max_in_flight)

@@ -87,7 +87,13 @@ impl Bench {
                         load,
                     )
                     .await;
-                row
+                let ordering = self.args.kafka_ordering;
+                row.map(|mut row| {
+                    if mode != Mode::Raw && ordering != txinbox_kafka::Ordering::Partition {
+                        row.note = format!("ordering {ordering:?}; {}", row.note);
+                    }
+                    row
+                })
             }
         };
         let window = self.source_rows("kafka", rows, kafka_row).await?;

@@ -137,10 +137,11 @@ pub(crate) struct CpuUse {
     /// This process: the consumer, the publisher and the client libraries' threads.
     pub(crate) process: f64,
     /// PostgreSQL's processes (`postgres`, backends included; a backend that exits within the
-    /// row, as pgbench's do, counts through its parent's reaped-children time).
-    pub(crate) postgres: f64,
-    /// The brokers' processes (`tansu`, RabbitMQ's `beam.smp`).
-    pub(crate) broker: f64,
+    /// row, as pgbench's do, counts through its parent's reaped-children time). `None` when no
+    /// such process is visible (a remote server, another PID namespace).
+    pub(crate) postgres: Option<f64>,
+    /// The brokers' processes (`tansu`, RabbitMQ's `beam.smp`); `None` when none is visible.
+    pub(crate) broker: Option<f64>,
     /// The whole machine: this process plus the broker, PostgreSQL and anything else.
     pub(crate) machine: f64,
 }
@@ -150,8 +151,8 @@ pub(crate) struct CpuUse {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CpuMeter {
     pub(crate) process: u64,
-    pub(crate) postgres: u64,
-    pub(crate) broker: u64,
+    pub(crate) postgres: Option<u64>,
+    pub(crate) broker: Option<u64>,
     pub(crate) busy: u64,
     pub(crate) total: u64,
     pub(crate) at: Instant,
@@ -164,7 +165,7 @@ impl CpuMeter {
         // children's once waited for: pgbench's). The 2nd, the command name in parentheses, may
         // contain spaces, so count from after its closing ')'.
         let process = process_ticks(&std::fs::read_to_string("/proc/self/stat").ok()?)?.1;
-        let (mut postgres, mut broker) = (0, 0);
+        let (mut postgres, mut broker) = (None, None);
         for entry in std::fs::read_dir("/proc").ok()?.flatten() {
             let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
                 continue;
@@ -176,8 +177,8 @@ impl CpuMeter {
                 continue;
             };
             match comm.as_str() {
-                "postgres" => postgres += ticks,
-                "tansu" | "beam.smp" => broker += ticks,
+                "postgres" => *postgres.get_or_insert(0) += ticks,
+                "tansu" | "beam.smp" => *broker.get_or_insert(0) += ticks,
                 _ => {}
             }
         }
@@ -215,8 +216,14 @@ impl CpuMeter {
         }
         Some(CpuUse {
             process: now.process.saturating_sub(self.process) as f64 / seconds,
-            postgres: now.postgres.saturating_sub(self.postgres) as f64 / seconds,
-            broker: now.broker.saturating_sub(self.broker) as f64 / seconds,
+            postgres: now
+                .postgres
+                .zip(self.postgres)
+                .map(|(now, then)| now.saturating_sub(then) as f64 / seconds),
+            broker: now
+                .broker
+                .zip(self.broker)
+                .map(|(now, then)| now.saturating_sub(then) as f64 / seconds),
             machine: 100.0 * cores * now.busy.saturating_sub(self.busy) as f64 / total,
         })
     }

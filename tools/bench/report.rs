@@ -55,8 +55,8 @@ impl Row {
             "p99_ms": self.p99_ms,
             "peak_rss_mb": self.peak_rss_mb,
             "cpu_process_pct": self.cpu.map(|c| c.process.round()),
-            "cpu_postgres_pct": self.cpu.map(|c| c.postgres.round()),
-            "cpu_broker_pct": self.cpu.map(|c| c.broker.round()),
+            "cpu_postgres_pct": self.cpu.and_then(|c| c.postgres).map(f64::round),
+            "cpu_broker_pct": self.cpu.and_then(|c| c.broker).map(f64::round),
             "cpu_machine_pct": self.cpu.map(|c| c.machine.round()),
             "note": self.note,
         })
@@ -88,10 +88,16 @@ pub(crate) fn print_row(r: &Row) {
         fmt_opt(r.p50_ms, 9),
         fmt_opt(r.p99_ms, 9),
         fmt_opt(r.peak_rss_mb, 10),
-        r.cpu.map_or("-".into(), |c| format!(
-            "{:.0}/{:.0}/{:.0}/{:.0}",
-            c.process, c.postgres, c.broker, c.machine
-        )),
+        r.cpu.map_or("-".into(), |c| {
+            let or_dash = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.0}"));
+            format!(
+                "{:.0}/{}/{}/{:.0}",
+                c.process,
+                or_dash(c.postgres),
+                or_dash(c.broker),
+                c.machine
+            )
+        }),
         r.note
     );
 }
