@@ -160,7 +160,7 @@ impl Bench {
                 };
                 // A row with a concurrency of its own gets a pool to match (the keys rows, 64);
                 // every other row shares the run's pool of `--concurrency` + 2. One pool sized
-                // for the keys rows (66) cost the one-message rows 10–25 % (alternated runs,
+                // for the keys rows (66) cost the one-message rows 7–20 % (alternated runs,
                 // `--key-concurrency 64` against 8).
                 let inbox = match variant.concurrency {
                     Some(c) if c != self.args.concurrency => PostgresInbox::new(
