@@ -585,22 +585,22 @@ where
         stored().await.is_empty(),
         "an unconfirmed transaction's positions are not written"
     );
-    // Confirmed: every lane's position is written, with the transaction.
-    let mut tx = store.begin().await.unwrap();
-    store.claim_batch(&mut *tx, &batch).await.unwrap();
-    assert!(store
-        .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
-        .await
-        .unwrap());
-    tx.rollback().await.unwrap();
-    assert!(stored().await.is_empty(), "rolled back with the transaction");
-    let mut tx = store.begin().await.unwrap();
-    store.claim_batch(&mut *tx, &batch).await.unwrap();
-    assert!(store
-        .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
-        .await
-        .unwrap());
-    store.commit(tx).await.unwrap();
+    // Confirmed: every lane's position is written, with the transaction (rolled back first,
+    // then committed).
+    for commit in [false, true] {
+        let mut tx = store.begin().await.unwrap();
+        store.claim_batch(&mut *tx, &batch).await.unwrap();
+        assert!(store
+            .confirm_and_save_positions(&mut *tx, &batch, c, &positions(5))
+            .await
+            .unwrap());
+        if commit {
+            store.commit(tx).await.unwrap();
+        } else {
+            tx.rollback().await.unwrap();
+            assert!(stored().await.is_empty(), "rolled back with the transaction");
+        }
+    }
     assert_eq!(stored().await, [("0".to_string(), 5), ("1".to_string(), 6)]);
     // Nothing claimed (a batch of duplicates): the positions are written as `save_position`
     // writes them, overwriting; with no position it only confirms.
@@ -622,7 +622,18 @@ where
         .confirm_and_save_positions(&mut *tx, &[not_claimed.entry(c)], c, &[])
         .await
         .unwrap());
-    tx.rollback().await.unwrap();
+    // A live transaction that does not hold the key: not confirmed, and with positions given
+    // none is written, even once the transaction commits.
+    assert!(!store
+        .confirm_and_save_positions(&mut *tx, &[not_claimed.entry(c)], c, &positions(9))
+        .await
+        .unwrap());
+    store.commit(tx).await.unwrap();
+    assert_eq!(
+        stored().await,
+        [("0".to_string(), 3), ("1".to_string(), 4)],
+        "a key the transaction does not hold writes no position"
+    );
 
     // An empty batch claims nothing.
     let mut tx = store.begin().await.unwrap();
