@@ -5,7 +5,10 @@
 //! lapin `basic_consume`, plus sqlx: one transaction per message inserting a `processed_ids`
 //! row and the effect, the offset stored or the message acked after COMMIT); plus `pgbench`
 //! doing the same inserts at the same batch sizes on the same database, so "batched vs. what
-//! PostgreSQL can commit" is visible.
+//! PostgreSQL can commit" is visible; and beside each pgbench row that runs the consumer's
+//! statements (`_like`), the same transactions written by hand through sqlx (source `sqlx`),
+//! which splits the gap between the consumer and pgbench into the client library's and the
+//! runtime's.
 //!
 //! ```sh
 //! cargo run --release --example bench -- [--messages N] [--per-message N] [--sources memory,kafka,amqp]
@@ -167,6 +170,14 @@ async fn main() -> anyhow::Result<()> {
                     }
                     Err(e) => println!("pgbench: SKIPPED, {e:#}"),
                 }
+                if like_txinbox {
+                    // The same transactions by hand through sqlx: where the gap between the
+                    // consumer and pgbench lies, in the client library or in the runtime.
+                    bench.checkpoint().await;
+                    let row = bench.sqlx_like(batch).await?;
+                    print_row(&row);
+                    rows.push(row);
+                }
             }
         }
         if args.prefill_rows > 0 {
@@ -192,11 +203,17 @@ async fn main() -> anyhow::Result<()> {
                 if let (Some(b), Some(g)) = (rate(source, mode), rate("pgbench", mode)) {
                     // (Only memory's transactions are pgbench's `_like` statements: a broker's
                     // also store positions, or ack.)
-                    let as_txinbox = rate("pgbench", &like)
+                    let mut as_txinbox = rate("pgbench", &like)
                         .filter(|_| source == "memory")
                         .map_or(String::new(), |l| {
                             format!(", / pgbench {like} (the same statements) = {:.0}%", 100.0 * b / l)
                         });
+                    if let Some(s) = rate("sqlx", &like).filter(|_| source == "memory") {
+                        as_txinbox += &format!(
+                            ", / sqlx {like} (the same statements by hand) = {:.0}%",
+                            100.0 * b / s
+                        );
+                    }
                     println!(
                         "{source}: {mode} / pgbench {mode} = {:.0}%{as_txinbox}",
                         100.0 * b / g

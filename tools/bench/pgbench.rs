@@ -89,3 +89,139 @@ impl Bench {
         })
     }
 }
+
+/// The consumer's claim, as `PostgresInbox` sends it for one message (`$1`..`$8`).
+const CLAIM: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
+     source_system, destination, source_partition, source_offset)
+VALUES ($1, $2, $3, $4, 'processed', 1, now(), $5, $6, $7, $8)
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
+RETURNING i.attempts";
+
+/// The consumer's claim for a batch, as `PostgresInbox` sends it (`$1` consumer, `$2`..`$8`
+/// arrays).
+const CLAIM_BATCH: &str = "\
+INSERT INTO txinbox.inbox AS i
+    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
+     source_system, destination, source_partition, source_offset)
+SELECT $1, t.message_id, t.id_strategy, t.fingerprint, 'processed', 1, now(),
+       t.source_system, t.destination, t.source_partition, t.source_offset
+FROM UNNEST($2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::int4[], $8::int8[])
+    AS t(message_id, id_strategy, fingerprint, source_system, destination, source_partition, source_offset)
+ORDER BY t.message_id
+ON CONFLICT (consumer, message_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
+    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
+RETURNING i.message_id, i.attempts";
+
+/// The check before COMMIT, as `PostgresInbox::confirm` sends it.
+const CONFIRM: &str = "SELECT status FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2";
+
+impl Bench {
+    /// The consumer's own transactions written by hand with sqlx, no txinbox in between:
+    /// `concurrency` tasks for `pgbench_seconds`, each transaction BEGIN, the claim with its
+    /// values bound (arrays for a batch), the effect (the benchmark handler's statement), the
+    /// check before COMMIT, COMMIT. Against `pgbench … _like` (the same statements through
+    /// libpq, values generated on the server) this row is what the client library and the
+    /// bound values cost; against memory's row, what the runtime adds to them.
+    pub(crate) async fn sqlx_like(&self, batch: usize) -> anyhow::Result<Row> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        use txinbox::sqlx;
+
+        let consumer = format!("sqlx-{batch}-{}", self.run_id);
+        let committed = Arc::new(AtomicU64::new(0));
+        let until = Instant::now() + Duration::from_secs(self.args.pgbench_seconds.into());
+        let fingerprint = vec![0u8; 32];
+        let meter = CpuMeter::start();
+        let started = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for task in 0..self.args.concurrency {
+            let (pool, consumer, committed, fingerprint) = (
+                self.pool.clone(),
+                consumer.clone(),
+                committed.clone(),
+                fingerprint.clone(),
+            );
+            tasks.spawn(async move {
+                let mut n = 0u64;
+                while Instant::now() < until {
+                    let ids: Vec<String> = (0..batch).map(|i| format!("s-{task}-{n}-{i}")).collect();
+                    n += 1;
+                    let mut tx = pool.begin().await?;
+                    if batch == 1 {
+                        sqlx::query(CLAIM)
+                            .bind(&consumer)
+                            .bind(&ids[0])
+                            .bind("native")
+                            .bind(&fingerprint[..])
+                            .bind("memory")
+                            .bind("bench")
+                            .bind(None::<i32>)
+                            .bind(None::<i64>)
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        sqlx::query("INSERT INTO bench_effects (message_id, bytes) VALUES ($1, $2)")
+                            .bind(&ids[0])
+                            .bind(64_i64)
+                            .execute(&mut *tx)
+                            .await?;
+                    } else {
+                        let same = |s: &'static str| vec![s; batch];
+                        sqlx::query(CLAIM_BATCH)
+                            .bind(&consumer)
+                            .bind(&ids)
+                            .bind(same("native"))
+                            .bind(vec![fingerprint.clone(); batch])
+                            .bind(same("memory"))
+                            .bind(same("bench"))
+                            .bind(vec![None::<i32>; batch])
+                            .bind(vec![None::<i64>; batch])
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        sqlx::query(
+                            "INSERT INTO bench_effects (message_id, bytes) SELECT * FROM UNNEST($1::text[], $2::int8[])",
+                        )
+                        .bind(&ids)
+                        .bind(vec![64_i64; batch])
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    let status: Option<String> = sqlx::query_scalar(CONFIRM)
+                        .bind(&consumer)
+                        .bind(&ids[0])
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                    anyhow::ensure!(status.as_deref() == Some("processed"), "the claim is not held");
+                    tx.commit().await?;
+                    committed.fetch_add(1, Ordering::Relaxed);
+                }
+                anyhow::Ok(())
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done??;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let cpu = meter.and_then(CpuMeter::since);
+        let transactions = committed.load(Ordering::Relaxed);
+        Ok(Row {
+            source: "sqlx".into(),
+            mode: if batch == 1 { "per_message_like" } else { "batched_like" },
+            messages: transactions * batch as u64,
+            msgs_per_sec: (transactions * batch as u64) as f64 / seconds,
+            p50_ms: None,
+            p99_ms: None,
+            peak_rss_mb: None,
+            cpu,
+            note: format!(
+                "{batch} inbox + {batch} effect rows per transaction, txinbox's statements with bound values, by hand through sqlx from {} tasks, {}s",
+                self.args.concurrency, self.args.pgbench_seconds
+            ),
+        })
+    }
+}
