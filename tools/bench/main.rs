@@ -65,7 +65,7 @@ mod report;
 mod timed;
 
 use anyhow::Context as _;
-use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use txinbox::sqlx::postgres::PgConnectOptions;
 use txinbox::sqlx::{self, Executor};
 use txinbox::PostgresInbox;
 
@@ -109,7 +109,8 @@ async fn main() -> anyhow::Result<()> {
     // pgbench takes a libpq URI: the scratch database on the same server.
     let url = txinbox_demos::with_database(&database_url, &db_name);
     let setup = async {
-        let pool = PgPoolOptions::new()
+        // The pool an application gets from `PostgresInbox::connect`.
+        let pool = PostgresInbox::pool_options()
             .max_connections(args.concurrency as u32 + 2)
             .connect_with(PostgresInbox::connect_options(options))
             .await?;
