@@ -17,7 +17,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use sqlx::postgres::{PgConnectOptions, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Executor;
 use txinbox::async_trait;
 use txinbox::outbox::{OutboxMessage, PublishError, Publisher, Relay, RelayConfig};
@@ -90,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
         .clone();
     conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
         .await?;
-    let pool = txinbox::PostgresInbox::pool_options()
+    let pool = PgPoolOptions::new()
         .max_connections(4)
         .connect_with(txinbox::PostgresInbox::connect_options(
             admin.clone().database(&db),

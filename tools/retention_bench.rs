@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Executor, Postgres};
 use txinbox::janitor::{Janitor, Schedule, Sweep};
 use txinbox::memory::MemoryBroker;
@@ -205,7 +205,7 @@ impl Bench {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let pool = txinbox::PostgresInbox::pool_options()
+    let pool = PgPoolOptions::new()
         .max_connections(12)
         .connect_with(txinbox::PostgresInbox::connect_options(args.url.parse()?))
         .await?;

@@ -164,7 +164,7 @@ impl Bench {
                 // `--key-concurrency 64` against 8).
                 let inbox = match variant.concurrency {
                     Some(c) if c != self.args.concurrency => PostgresInbox::new(
-                        PostgresInbox::pool_options()
+                        txinbox::sqlx::postgres::PgPoolOptions::new()
                             .max_connections(c as u32 + 2)
                             .connect_with((*self.pool.connect_options()).clone())
                             .await?,

@@ -65,7 +65,7 @@ mod report;
 mod timed;
 
 use anyhow::Context as _;
-use txinbox::sqlx::postgres::PgConnectOptions;
+use txinbox::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use txinbox::sqlx::{self, Executor};
 use txinbox::PostgresInbox;
 
@@ -109,8 +109,7 @@ async fn main() -> anyhow::Result<()> {
     // pgbench takes a libpq URI: the scratch database on the same server.
     let url = txinbox_demos::with_database(&database_url, &db_name);
     let setup = async {
-        // The pool an application gets from `PostgresInbox::connect`.
-        let pool = PostgresInbox::pool_options()
+        let pool = PgPoolOptions::new()
             .max_connections(args.concurrency as u32 + 2)
             .connect_with(PostgresInbox::connect_options(options))
             .await?;

@@ -567,11 +567,11 @@ impl Transport {
 /// The embedded store: the same contract on SQLite.
 async fn serve_embedded(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let path = &args.sqlite_path;
-    use txinbox::sqlx::sqlite::SqliteConnectOptions;
+    use txinbox::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
     let options = txinbox::SqliteInbox::connect_options(
         SqliteConnectOptions::new().filename(path).create_if_missing(true),
     );
-    let pool = txinbox::SqliteInbox::pool_options()
+    let pool = SqlitePoolOptions::new()
         .max_connections(4)
         .connect_with(options)
         .await?;
