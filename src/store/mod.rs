@@ -20,35 +20,6 @@ pub(crate) mod sqlite;
 /// Longest error text stored, in bytes; longer texts are cut at a character boundary.
 pub const MAX_ERROR_LEN: usize = 2048;
 
-/// How long a pooled connection may have sat idle and still be handed out without a ping.
-///
-/// sqlx's pool pings a connection (one round trip) each time it hands it out, by default, and
-/// again each time it comes back. The first ping cost every transaction a round trip: 8–11 %
-/// of the one-message-per-transaction rate (BENCHMARKS.md). The pools
-/// [`PostgresInbox::connect`](crate::PostgresInbox::connect) and
-/// [`SqliteInbox::open`](crate::SqliteInbox::open) build skip it for a connection that came
-/// back less than this long ago, whose return ping has just answered, and still ping one that
-/// sat idle longer: a connection the server ended while it was idle (a restart, a failover, an
-/// idle timeout) is replaced, not handed to a transaction. A connection that dies within this
-/// second fails its transaction's first statement, which the runtime treats as an outage
-/// (retried, no attempt counted), as it treats a connection lost in the middle of one.
-pub const PING_AFTER_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Pool options with the ping rule of [`PING_AFTER_IDLE`].
-pub(crate) fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
-    sqlx::pool::PoolOptions::new()
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= PING_AFTER_IDLE {
-                    // An error closes the connection and the pool opens another.
-                    sqlx::Connection::ping(conn).await?;
-                }
-                Ok(true)
-            })
-        })
-}
-
 /// The connection type of a store's database.
 pub type Connection<S> = <<S as InboxStore>::Db as sqlx::Database>::Connection;
 

@@ -67,8 +67,7 @@ impl PostgresInbox {
     ///
     /// The pool should set `idle_in_transaction_session_timeout` (see
     /// [`PostgresInbox::connect_options`]): a session stuck in a transaction is then ended by
-    /// the server, which is the only safe timeout for a transaction. A pool built from
-    /// [`PostgresInbox::pool_options`] also saves a round trip per transaction.
+    /// the server, which is the only safe timeout for a transaction.
     pub fn new(pool: PgPool) -> Self {
         PostgresInbox { pool }
     }
@@ -98,21 +97,13 @@ impl PostgresInbox {
     /// `ssl_root_cert`, `ssl_client_cert`, `ssl_client_key`, …) instead of a URL. Connects one
     /// connection before it returns, so a wrong address, password or certificate shows here.
     pub async fn connect_with(options: PgConnectOptions, max_connections: u32) -> Result<Self, StoreError> {
-        let pool = Self::pool_options()
+        let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(Self::connect_options(options))
             .await
             .map_err(classify)?;
         Ok(PostgresInbox { pool })
-    }
-
-    /// The pool settings [`connect`](Self::connect) uses, for a pool built in code (set its
-    /// size, then `connect_with(PostgresInbox::connect_options(…))`): a connection in use a
-    /// moment ago is handed out without a ping, one idle longer than
-    /// [`PING_AFTER_IDLE`](crate::store::PING_AFTER_IDLE) is pinged first.
-    pub fn pool_options() -> PgPoolOptions {
-        super::pool_options()
     }
 
     /// Adds the server-side safety nets txinbox relies on instead of client-side timeouts:

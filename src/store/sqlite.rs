@@ -70,20 +70,13 @@ impl SqliteInbox {
     pub async fn open(path: impl AsRef<Path>, max_connections: u32) -> Result<Self, StoreError> {
         let options =
             Self::connect_options(SqliteConnectOptions::new().filename(path).create_if_missing(true));
-        let pool = Self::pool_options()
+        let pool = SqlitePoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options)
             .await
             .map_err(classify)?;
         Ok(SqliteInbox { pool })
-    }
-
-    /// The pool settings [`open`](Self::open) uses, for a pool built in code: as
-    /// [`PostgresInbox::pool_options`](crate::PostgresInbox::pool_options), a connection in use
-    /// a moment ago is handed out without a ping (a round trip to its worker thread).
-    pub fn pool_options() -> SqlitePoolOptions {
-        super::pool_options()
     }
 
     /// The settings the inbox relies on: WAL journal (readers never block the writer),

@@ -176,10 +176,9 @@ impl Builder {
         self
     }
 
-    /// Whether the pool is the one an application's inbox pool is (default `true`): its
-    /// connections get the session timeouts of `txinbox::PostgresInbox::connect_options`, the
-    /// pool the ping rule of `txinbox::PostgresInbox::pool_options`. Turn it off to test code
-    /// that must work on a plain sqlx pool.
+    /// Whether the pool's connections get the session timeouts of
+    /// `txinbox::PostgresInbox::connect_options` (default `true`), as an application's inbox
+    /// pool does. Turn it off to test code that must work on a pool without them.
     pub fn inbox_timeouts(mut self, on: bool) -> Self {
         self.inbox_timeouts = on;
         self
@@ -229,12 +228,10 @@ impl Builder {
     /// that runs itself as a child process: a pool with these settings, no migration.
     pub async fn open(&self, name: &str) -> TestDatabase {
         let mut options = server_options().database(name);
-        let mut pool = PgPoolOptions::new();
         if self.inbox_timeouts {
             options = txinbox::PostgresInbox::connect_options(options);
-            pool = txinbox::PostgresInbox::pool_options();
         }
-        let pool = pool
+        let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
             .connect_with(options)

@@ -14,7 +14,6 @@ mod limits;
 mod metrics;
 mod migrations;
 mod ordering;
-mod pool;
 mod positions;
 mod retention;
 mod retries;
