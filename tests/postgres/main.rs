@@ -14,6 +14,7 @@ mod limits;
 mod metrics;
 mod migrations;
 mod ordering;
+mod pool;
 mod positions;
 mod retention;
 mod retries;
