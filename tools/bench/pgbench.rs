@@ -90,114 +90,79 @@ impl Bench {
     }
 }
 
-/// The consumer's claim, as `PostgresInbox` sends it for one message (`$1`..`$8`).
-const CLAIM: &str = "\
-INSERT INTO txinbox.inbox AS i
-    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
-     source_system, destination, source_partition, source_offset)
-VALUES ($1, $2, $3, $4, 'processed', 1, now(), $5, $6, $7, $8)
-ON CONFLICT (consumer, message_id) DO UPDATE
-    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
-    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
-RETURNING i.attempts";
-
-/// The consumer's claim for a batch, as `PostgresInbox` sends it (`$1` consumer, `$2`..`$8`
-/// arrays).
-const CLAIM_BATCH: &str = "\
-INSERT INTO txinbox.inbox AS i
-    (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
-     source_system, destination, source_partition, source_offset)
-SELECT $1, t.message_id, t.id_strategy, t.fingerprint, 'processed', 1, now(),
-       t.source_system, t.destination, t.source_partition, t.source_offset
-FROM UNNEST($2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[], $7::int4[], $8::int8[])
-    AS t(message_id, id_strategy, fingerprint, source_system, destination, source_partition, source_offset)
-ORDER BY t.message_id
-ON CONFLICT (consumer, message_id) DO UPDATE
-    SET status = 'processed', attempts = i.attempts + 1, processed_at = now()
-    WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint
-RETURNING i.message_id, i.attempts";
-
-/// The check before COMMIT, as `PostgresInbox::confirm` sends it.
-const CONFIRM: &str = "SELECT status FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2";
-
 impl Bench {
-    /// The consumer's own transactions written by hand with sqlx, no txinbox in between:
-    /// `concurrency` tasks for `pgbench_seconds`, each transaction BEGIN, the claim with its
-    /// values bound (arrays for a batch), the effect (the benchmark handler's statement), the
-    /// check before COMMIT, COMMIT. Against `pgbench … _like` (the same statements through
-    /// libpq, values generated on the server) this row is what the client library and the
-    /// bound values cost; against memory's row, what the runtime adds to them.
+    /// The consumer's own transactions written by hand, no runtime in between:
+    /// `concurrency` tasks for `pgbench_seconds`, each transaction the store's `begin`, its
+    /// claim (`claim` or `claim_batch`: the values bound, arrays for a batch), the effect (the
+    /// benchmark handler's statement), its check before COMMIT (`confirm_batch`) and `commit`,
+    /// on the run's pool. Against `pgbench … _like` (the same statements through libpq, values
+    /// generated on the server) this row is what sqlx and bound values cost; against memory's
+    /// row, what the runtime adds to them.
     pub(crate) async fn sqlx_like(&self, batch: usize) -> anyhow::Result<Row> {
         use std::sync::atomic::{AtomicU64, Ordering};
         use std::sync::Arc;
         use std::time::{Duration, Instant};
-        use txinbox::sqlx;
+        use txinbox::store::{Entry, InboxStore};
+        use txinbox::{sqlx, IdStrategy, Message, MessageId};
 
-        let consumer = format!("sqlx-{batch}-{}", self.run_id);
+        let consumer: Arc<str> = format!("sqlx-{batch}-{}", self.run_id).into();
         let committed = Arc::new(AtomicU64::new(0));
         let until = Instant::now() + Duration::from_secs(self.args.pgbench_seconds.into());
-        let fingerprint = vec![0u8; 32];
         let meter = CpuMeter::start();
         let started = Instant::now();
         let mut tasks = tokio::task::JoinSet::new();
         for task in 0..self.args.concurrency {
-            let (pool, consumer, committed, fingerprint) = (
-                self.pool.clone(),
-                consumer.clone(),
-                committed.clone(),
-                fingerprint.clone(),
-            );
+            let (inbox, consumer, committed) = (self.inbox(), consumer.clone(), committed.clone());
             tasks.spawn(async move {
                 let mut n = 0u64;
                 while Instant::now() < until {
-                    let ids: Vec<String> = (0..batch).map(|i| format!("s-{task}-{n}-{i}")).collect();
+                    // What the runtime derives for each delivery: the ID and the payload's
+                    // fingerprint (a SHA-256), built before the transaction as it builds them.
+                    let messages: Vec<(Message, MessageId, [u8; 32])> = (0..batch)
+                        .map(|i| {
+                            let msg = Message::new(
+                                crate::publish::payload(n * batch as u64 + i as u64),
+                                txinbox::message::Origin::new("memory", "bench"),
+                            )
+                            .with_native_id(format!("s-{task}-{n}-{i}"));
+                            let id = IdStrategy::Native.derive(&msg).expect("a native ID");
+                            let fingerprint = txinbox::message::Fingerprint::PayloadBytes.of(&msg);
+                            (msg, id, fingerprint)
+                        })
+                        .collect();
                     n += 1;
-                    let mut tx = pool.begin().await?;
+                    let entries: Vec<Entry<'_>> = messages
+                        .iter()
+                        .map(|(msg, id, fingerprint)| Entry {
+                            consumer: &consumer,
+                            id,
+                            fingerprint,
+                            origin: msg.origin(),
+                        })
+                        .collect();
+                    let mut tx = inbox.begin().await?;
                     if batch == 1 {
-                        sqlx::query(CLAIM)
-                            .bind(&consumer)
-                            .bind(&ids[0])
-                            .bind("native")
-                            .bind(&fingerprint[..])
-                            .bind("memory")
-                            .bind("bench")
-                            .bind(None::<i32>)
-                            .bind(None::<i64>)
-                            .fetch_optional(&mut *tx)
-                            .await?;
+                        inbox.claim(&mut tx, &entries[0]).await?;
                         sqlx::query("INSERT INTO bench_effects (message_id, bytes) VALUES ($1, $2)")
-                            .bind(&ids[0])
-                            .bind(64_i64)
+                            .bind(entries[0].id.as_str())
+                            .bind(messages[0].0.payload().len() as i64)
                             .execute(&mut *tx)
                             .await?;
                     } else {
-                        let same = |s: &'static str| vec![s; batch];
-                        sqlx::query(CLAIM_BATCH)
-                            .bind(&consumer)
-                            .bind(&ids)
-                            .bind(same("native"))
-                            .bind(vec![fingerprint.clone(); batch])
-                            .bind(same("memory"))
-                            .bind(same("bench"))
-                            .bind(vec![None::<i32>; batch])
-                            .bind(vec![None::<i64>; batch])
-                            .fetch_all(&mut *tx)
-                            .await?;
+                        inbox.claim_batch(&mut tx, &entries).await?;
+                        let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+                        let sizes: Vec<i64> =
+                            messages.iter().map(|(m, ..)| m.payload().len() as i64).collect();
                         sqlx::query(
                             "INSERT INTO bench_effects (message_id, bytes) SELECT * FROM UNNEST($1::text[], $2::int8[])",
                         )
-                        .bind(&ids)
-                        .bind(vec![64_i64; batch])
+                        .bind(ids)
+                        .bind(sizes)
                         .execute(&mut *tx)
                         .await?;
                     }
-                    let status: Option<String> = sqlx::query_scalar(CONFIRM)
-                        .bind(&consumer)
-                        .bind(&ids[0])
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                    anyhow::ensure!(status.as_deref() == Some("processed"), "the claim is not held");
-                    tx.commit().await?;
+                    anyhow::ensure!(inbox.confirm_batch(&mut tx, &entries).await?, "the claim is not held");
+                    inbox.commit(tx).await?;
                     committed.fetch_add(1, Ordering::Relaxed);
                 }
                 anyhow::Ok(())
@@ -219,7 +184,7 @@ impl Bench {
             peak_rss_mb: None,
             cpu,
             note: format!(
-                "{batch} inbox + {batch} effect rows per transaction, txinbox's statements with bound values, by hand through sqlx from {} tasks, {}s",
+                "{batch} inbox + {batch} effect rows per transaction, txinbox's statements by hand (the store's calls, no runtime) from {} tasks, {}s",
                 self.args.concurrency, self.args.pgbench_seconds
             ),
         })
