@@ -6,9 +6,9 @@
 //! row and the effect, the offset stored or the message acked after COMMIT); plus `pgbench`
 //! doing the same inserts at the same batch sizes on the same database, so "batched vs. what
 //! PostgreSQL can commit" is visible; and beside each pgbench row that runs the consumer's
-//! statements (`_like`), the same transactions written by hand through sqlx (source `sqlx`),
-//! which splits the gap between the consumer and pgbench into the client library's and the
-//! runtime's.
+//! statements (`_like`), the same transactions written by hand on sqlx with the store's own
+//! calls and no runtime (source `sqlx`), which splits the gap between the consumer and pgbench
+//! into the client library's and the runtime's.
 //!
 //! ```sh
 //! cargo run --release --example bench -- [--messages N] [--per-message N] [--sources memory,kafka,amqp]
