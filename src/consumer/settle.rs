@@ -121,7 +121,10 @@ where
         // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
         // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
         // contract allows: the broker redelivers and the inbox deduplicates.
+        // NOTE: biased, the settlement first: one that is done at once (a Kafka offset, the
+        // memory broker) never registers a shutdown waiter.
         let settled = tokio::select! {
+            biased;
             r = delivery.settle(settlement) => r,
             _ = async {
                 self.shutdown.cancelled().await;
