@@ -121,17 +121,26 @@ where
         // A settlement the broker cannot take (a dead-letter topic that is down, say) may retry for
         // long; once shutdown has begun it gets SETTLE_GRACE more, then is dropped, which its
         // contract allows: the broker redelivers and the inbox deduplicates.
-        // NOTE: biased, the settlement first: one that is done at once (a Kafka offset, the
-        // memory broker) never registers a shutdown waiter.
-        let settled = tokio::select! {
-            biased;
-            r = delivery.settle(settlement) => r,
-            _ = async {
-                self.shutdown.cancelled().await;
-                tokio::time::sleep(SETTLE_GRACE).await;
-            } => Err(SettleError::new(format!(
-                "still pending {SETTLE_GRACE:?} after shutdown began; abandoned"
-            ))),
+        //
+        // NOTE: most settlements are done at their first poll (a Kafka offset, the memory broker):
+        // the grace timer is built, boxed, only for one that is not. A batch holds 100 of these
+        // futures at once, and the timer inline tripled each one's size.
+        let mut settling = delivery.settle(settlement);
+        let settled = match futures::poll!(settling.as_mut()) {
+            std::task::Poll::Ready(r) => r,
+            std::task::Poll::Pending => {
+                let grace = Box::pin(async {
+                    self.shutdown.cancelled().await;
+                    tokio::time::sleep(SETTLE_GRACE).await;
+                });
+                tokio::select! {
+                    biased;
+                    r = settling => r,
+                    _ = grace => Err(SettleError::new(format!(
+                        "still pending {SETTLE_GRACE:?} after shutdown began; abandoned"
+                    ))),
+                }
+            }
         };
         if let Err(e) = settled {
             metrics.ack_failures.increment(1);
@@ -149,27 +158,33 @@ where
         }
         tracing::debug!(outcome, "settled");
         if let Some(position) = dead_letter_position {
-            // The dead letter was recorded without moving the position (a crash before the broker
-            // confirmed its copy must show the record again). Now the broker has the copy: move the
-            // position past it, so a restart does not read a run of dead letters again. Still
-            // before the lane's next message, so positions keep their order. A crash between the
-            // broker's confirmation and this commit reads the record once more: its dead letter is
-            // recorded already (nothing new is written) and the copy is sent again.
-            //
-            // Forward only: once the broker has the copy, the lane may be someone else's (a Kafka
-            // partition moved on), and a late save must not take its position back.
-            let saved = with_store(self, || async {
-                let mut tx = self.store.begin().await?;
-                self.store
-                    .advance_position(&mut *tx, &self.name, &position)
-                    .await?;
-                self.store.commit(tx).await
-            })
-            .await;
-            if saved.is_none() {
-                tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
-            }
+            // Boxed: rare, and its store calls would otherwise size every settlement's future.
+            Box::pin(self.save_dead_letter_position(position)).await;
         }
         Ok(())
+    }
+
+    /// Moves the position past a dead letter the broker has taken (see [`settle`](Self::settle)).
+    async fn save_dead_letter_position(&self, position: crate::position::Position) {
+        // The dead letter was recorded without moving the position (a crash before the broker
+        // confirmed its copy must show the record again). Now the broker has the copy: move the
+        // position past it, so a restart does not read a run of dead letters again. Still
+        // before the lane's next message, so positions keep their order. A crash between the
+        // broker's confirmation and this commit reads the record once more: its dead letter is
+        // recorded already (nothing new is written) and the copy is sent again.
+        //
+        // Forward only: once the broker has the copy, the lane may be someone else's (a Kafka
+        // partition moved on), and a late save must not take its position back.
+        let saved = with_store(self, || async {
+            let mut tx = self.store.begin().await?;
+            self.store
+                .advance_position(&mut *tx, &self.name, &position)
+                .await?;
+            self.store.commit(tx).await
+        })
+        .await;
+        if saved.is_none() {
+            tracing::debug!("the position after a dead letter was not stored (shutdown); the restart sends its copy again");
+        }
     }
 }
