@@ -305,11 +305,17 @@ pub enum IdStrategy {
 impl IdStrategy {
     /// The stable name recorded on inbox rows, e.g. `header:ce_id` or `json:/id`.
     pub fn label(&self) -> String {
+        self.label_cow().into_owned()
+    }
+
+    /// [`label`](Self::label), without an allocation for the strategies without a parameter:
+    /// every message's ID carries it.
+    fn label_cow(&self) -> std::borrow::Cow<'static, str> {
         match self {
             IdStrategy::Native => "native".into(),
-            IdStrategy::Header(name) => format!("header:{name}"),
+            IdStrategy::Header(name) => format!("header:{name}").into(),
             IdStrategy::CloudEvents => "cloudevents".into(),
-            IdStrategy::JsonPointer(ptr) => format!("json:{ptr}"),
+            IdStrategy::JsonPointer(ptr) => format!("json:{ptr}").into(),
             IdStrategy::Offset => "offset".into(),
             IdStrategy::PayloadHash => "sha256".into(),
         }
@@ -404,7 +410,7 @@ impl IdStrategy {
         }
         Ok(MessageId {
             value: value.into_owned(),
-            strategy: self.label(),
+            strategy: self.label_cow(),
         })
     }
 }
@@ -421,7 +427,7 @@ fn json_scalar(v: &serde_json::Value) -> Option<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MessageId {
     value: String,
-    strategy: String,
+    strategy: std::borrow::Cow<'static, str>,
 }
 
 impl MessageId {

@@ -53,10 +53,14 @@ pub trait InboxStore: Send + Sync + 'static {
     /// conflict and changes nothing.
     async fn claim(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<Claim, StoreError>;
 
-    /// Checks, just before COMMIT, that the transaction still holds the row
-    /// [`claim`](Self::claim) inserted. `Ok(false)` when it does not: on PostgreSQL a failed
-    /// statement the handler ignored aborts the transaction, and COMMIT would then roll back
-    /// *without an error*, so the runtime would ack a message whose effects are gone.
+    /// Checks, just before COMMIT, that the transaction is still open and still holds the row
+    /// [`claim`](Self::claim) inserted: *this* transaction's row, not merely a row. `Ok(false)`
+    /// when it does not: on PostgreSQL a failed statement the handler ignored aborts the
+    /// transaction, and COMMIT would then roll back *without an error*, so the runtime would
+    /// ack a message whose effects are gone. A handler that ended the transaction itself (a
+    /// `ROLLBACK` on its connection) leaves the connection in autocommit, where another
+    /// worker may meanwhile have committed a redelivery of the same message: its row exists,
+    /// and a check of the row alone would pass for a transaction that is gone.
     async fn confirm(&self, conn: &mut Connection<Self>, entry: &Entry<'_>) -> Result<bool, StoreError>;
 
     /// Claims several entries in one transaction, as if [`claim`](Self::claim) ran for each in
@@ -307,10 +311,21 @@ pub(crate) fn resolve_batch(
     claimed: &std::collections::HashMap<&str, u32>,
     existing: &std::collections::HashMap<String, (String, Vec<u8>)>,
 ) -> Result<Vec<Claim>, StoreError> {
-    // Per key: the row's (status, fingerprint) after the occurrences decided so far.
+    // Per key: the row's (status, fingerprint) after the occurrences decided so far. Kept only
+    // when a key repeats: the common batch has none, and hashing every ID once more cost more
+    // than the rest of this function.
+    let repeats = claimed.len() + existing.len() < entries.len();
     let mut rows: std::collections::HashMap<&str, (InboxStatus, [u8; 32])> = std::collections::HashMap::new();
     let mut claims = Vec::with_capacity(entries.len());
     for entry in entries {
+        if !repeats {
+            let claim = match claimed.get(entry.id.as_str()) {
+                Some(&attempt) => Claim::New { attempt },
+                None => Claim::from_existing(existing.get(entry.id.as_str()).cloned(), entry)?,
+            };
+            claims.push(claim);
+            continue;
+        }
         let key = entry.id.as_str();
         let claim = match rows.get(key) {
             // A later occurrence of a key seen earlier in this batch.
