@@ -16,7 +16,10 @@ use crate::tracked::TrackedTransaction;
 /// it writes through [`Context::db`] commits together with the inbox row, or not at all. It must
 /// not commit, roll back or otherwise end the transaction, and it should not cause effects
 /// outside the database (publish through an outbox instead): those are not rolled back on
-/// failure.
+/// failure. A handler that ends the transaction anyway is caught before COMMIT (the check asks
+/// whether this transaction still holds its claim, not whether the row exists, which another
+/// worker's redelivery could make true), and its messages run again, each alone; but what it
+/// and the handlers after it wrote on the connection in autocommit stays written.
 ///
 /// Propagate database errors with `?`. On PostgreSQL a failed statement aborts the whole
 /// transaction; a handler that ignores the error and returns `Ok` is caught before COMMIT (the

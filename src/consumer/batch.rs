@@ -325,7 +325,27 @@ where
                 if taken == batch.len() || elapsed >= max {
                     break;
                 }
-                // The duration has not passed: the next chunk, sized to the time left.
+                // The duration has not passed: the next chunk, sized to the time left. First,
+                // is the transaction still there? A handler may have ended it, and a chunk
+                // claimed on a connection in autocommit commits its rows at once: its messages
+                // would come back as duplicates, acked without their effects.
+                let so_far: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
+                match store.confirm_batch(&mut *tx, &so_far).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        drop(tx.rollback().await);
+                        tracing::info!(
+                            size = batch.len(),
+                            "a batch's transaction ended under its handlers before its next chunk; each message runs alone"
+                        );
+                        return Ok(Trip::Unknown(false));
+                    }
+                    Err(e) => {
+                        drop(tx.rollback().await);
+                        tracing::info!(error = %e, size = batch.len(), "checking a batch's transaction before its next chunk failed; each message runs alone");
+                        return Ok(Trip::Unknown(e.is_contention()));
+                    }
+                }
                 let n = self.chunk_for(max - elapsed, batch.len() - taken, taken);
                 let more = match store.claim_batch(&mut *tx, &entries[taken..taken + n]).await {
                     Ok(more) => more,

@@ -220,14 +220,31 @@ VALUES ($1, $2, $3, $4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = EXCLUDED.next_position, updated_at = now()";
 
+/// Whether the transaction on this connection holds the row of `$1` consumer, `$2` message ID
+/// as processed: the row's version was written by this very transaction (`xmin`), not merely
+/// committed by someone. A handler that ended the transaction (a `ROLLBACK` on the connection
+/// it was handed) leaves the connection in autocommit, where the row may still exist: another
+/// worker committed a redelivery of the same message meanwhile. Checking the row alone then
+/// passed, and the rest of a batch was acknowledged without its effects. In autocommit
+/// `pg_current_xact_id_if_assigned()` is NULL, so the check is NULL, which is not true.
+///
+/// The status is compared in the select list, not the WHERE clause: `status = 'processed'`
+/// implies the partial index's `status <> 'retrying'`, and a plan cached while the table was
+/// small can then pick that index and filter every row of the consumer, a check that grows with
+/// the inbox. Without it, only the primary key can answer. `xmin` is in the same heap tuple.
+const HELD: &str = "\
+SELECT status = 'processed' AND xmin = pg_current_xact_id_if_assigned()::xid
+FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2";
+
 /// `confirm` and [`SAVE_POSITION`] for several lanes in one statement (`$1` consumer and `$2`
 /// message ID of the entry to confirm, `$3` the positions' consumer, `$4`..`$6` their sources,
 /// lanes and next positions, written in the order given). The positions are written only if
-/// the transaction holds the entry's row as processed; `ok` says whether it does. As in
-/// `confirm`, the status is compared in the select list, so only the primary key can answer.
+/// the transaction holds the entry's row as processed ([`HELD`]'s check); `ok` says whether it
+/// does.
 const CONFIRM_AND_SAVE_POSITIONS: &str = "\
 WITH held AS (
-    SELECT status = 'processed' AS ok FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2
+    SELECT status = 'processed' AND xmin = pg_current_xact_id_if_assigned()::xid AS ok
+    FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2
 ), saved AS (
     INSERT INTO txinbox.positions (consumer, source, lane, next_position)
     SELECT $3, t.source, t.lane, t.next
@@ -359,19 +376,13 @@ impl InboxStore for PostgresInbox {
     }
 
     async fn confirm(&self, conn: &mut PgConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
-        // NOTE: the status is compared here, not in the WHERE clause. `status = 'processed'`
-        // implies the partial index's `status <> 'retrying'`, and a plan cached while the table
-        // was small can then pick that index and filter every row of the consumer: a confirm
-        // that grows with the inbox. Without it, only the primary key can answer.
-        let status = sqlx::query_scalar::<_, String>(
-            "SELECT status FROM txinbox.inbox WHERE consumer = $1 AND message_id = $2",
-        )
-        .bind(entry.consumer)
-        .bind(entry.id.as_str())
-        .fetch_optional(conn)
-        .await;
-        match status {
-            Ok(status) => Ok(status.as_deref() == Some("processed")),
+        let held = sqlx::query_scalar::<_, Option<bool>>(HELD)
+            .bind(entry.consumer)
+            .bind(entry.id.as_str())
+            .fetch_optional(conn)
+            .await;
+        match held {
+            Ok(held) => Ok(held.flatten() == Some(true)),
             // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
             Err(e) => Err(classify(e)),

@@ -111,6 +111,15 @@ impl SqliteInbox {
     }
 }
 
+/// A savepoint set right after `BEGIN IMMEDIATE`: `confirm`'s proof that the transaction it
+/// checks is the one `begin` opened. A handler that ended the transaction (`ROLLBACK` on its
+/// connection), even one that began another after it, took the savepoint with it. COMMIT
+/// commits through it; ROLLBACK rolls back through it.
+const OPEN_MARK: &str = "SAVEPOINT txinbox_open";
+
+/// Releases [`OPEN_MARK`], failing with "no such savepoint" if it is gone, and sets it again.
+const CHECK_OPEN_MARK: &str = "RELEASE txinbox_open; SAVEPOINT txinbox_open";
+
 const CLAIM: &str = "\
 INSERT INTO txinbox_inbox
     (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at,
@@ -201,10 +210,17 @@ impl InboxStore for SqliteInbox {
     type Db = Sqlite;
 
     async fn begin(&self) -> Result<Transaction<'static, Sqlite>, StoreError> {
-        self.pool
+        let mut tx = self
+            .pool
             .begin_with("BEGIN IMMEDIATE")
             .await
-            .map_err(|e| self.classify(e))
+            .map_err(|e| self.classify(e))?;
+        // The mark `confirm` looks for: see OPEN_MARK.
+        sqlx::raw_sql(OPEN_MARK)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.classify(e))?;
+        Ok(tx)
     }
 
     async fn commit(&self, tx: Transaction<'static, Sqlite>) -> Result<(), StoreError> {
@@ -234,7 +250,23 @@ impl InboxStore for SqliteInbox {
 
     async fn confirm(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<bool, StoreError> {
         // SQLite rolls back only a failed statement, not the transaction, but a handler can
-        // still end the transaction itself; the row tells.
+        // still end the transaction itself. Then the row alone does not tell: another
+        // connection may have committed a redelivery of the message since. The mark does: it
+        // is released (and set again, for a later check) only inside the transaction `begin`
+        // opened.
+        match sqlx::raw_sql(CHECK_OPEN_MARK).execute(&mut *conn).await {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if e.message().contains("no such savepoint") => {
+                // Gone with the transaction. Open one, so that the caller's ROLLBACK ends
+                // something and sqlx hands the connection back to the pool as it expects
+                // (a ROLLBACK that fails leaves it counting a transaction that is not there,
+                // and its next BEGIN fails). Already inside one (the handler began another):
+                // that one is rolled back.
+                let _ = sqlx::raw_sql("BEGIN").execute(&mut *conn).await;
+                return Ok(false);
+            }
+            Err(e) => return Err(self.classify(e)),
+        }
         let found = sqlx::query_scalar::<_, i32>(
             "SELECT 1 FROM txinbox_inbox WHERE consumer = ?1 AND message_id = ?2 AND status = 'processed'",
         )

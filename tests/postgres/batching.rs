@@ -302,6 +302,135 @@ async fn a_handler_swallowing_a_failed_statement_in_a_batch_gets_nothing_acked_a
     );
 }
 
+/// Ends its transaction (`ROLLBACK` on the connection it was handed) at its first call for
+/// `ends_on`, after committing, as another worker would, a redelivery of `redelivered`: its
+/// inbox row (copied from this transaction's claim, so with the same fingerprint) and its
+/// effect.
+struct EndsTransaction {
+    pool: sqlx::PgPool,
+    consumer: &'static str,
+    ends_on: &'static str,
+    redelivered: &'static str,
+    ended: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[txinbox::async_trait]
+impl Handler<Postgres> for EndsTransaction {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().to_string();
+        record(cx.db(), &id).await?;
+        if id == self.ends_on && !self.ended.swap(true, Ordering::SeqCst) {
+            let row: serde_json::Value = sqlx::query_scalar(
+                "SELECT to_jsonb(i) FROM txinbox.inbox i WHERE consumer = $1 AND message_id = $2",
+            )
+            .bind(self.consumer)
+            .bind(self.redelivered)
+            .fetch_one(cx.db())
+            .await?;
+            sqlx::raw_sql("ROLLBACK").execute(cx.db()).await?;
+            let mut other = self.pool.begin().await?;
+            sqlx::query(
+                "INSERT INTO txinbox.inbox SELECT * FROM jsonb_populate_record(NULL::txinbox.inbox, $1)",
+            )
+            .bind(row)
+            .execute(&mut *other)
+            .await?;
+            record(&mut other, self.redelivered).await?;
+            other.commit().await?;
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_handler_ending_the_transaction_while_a_redelivery_commits_gets_nothing_acked_without_its_effect() {
+    let db = db().await;
+    let broker = MemoryBroker::new("batch");
+    broker.record_acks();
+    for i in 0..3 {
+        broker.publish_in_lane("l", format!("e{i}"), format!("payload {i}"));
+    }
+    broker.close();
+    let handler = EndsTransaction {
+        pool: db.pool.clone(),
+        consumer: "ended-batch",
+        ends_on: "e2",
+        redelivered: "e0",
+        ended: Arc::default(),
+    };
+    consumer("ended-batch", &db, &broker, handler)
+        .run()
+        .await
+        .unwrap();
+    let fx = effects(&db).await;
+    for i in 0..3 {
+        assert_eq!(
+            fx.get(&format!("e{i}")).map(|e| e.0),
+            Some(1),
+            "e{i} applied exactly once (e0 by the other worker): {fx:?}"
+        );
+    }
+    assert_eq!(broker.acks().len(), 3, "each message acked once");
+}
+
+/// Ends its transaction at its first call for `c0`, and fails `c1`'s first attempt before
+/// writing anything.
+struct EndsThenFails {
+    ended: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[txinbox::async_trait]
+impl Handler<Postgres> for EndsThenFails {
+    async fn handle(&self, cx: &mut Context<'_, Postgres>, _msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().to_string();
+        if id == "c1" && cx.attempt() == 1 {
+            return Err(HandlerError::transient("flaky once"));
+        }
+        record(cx.db(), &id).await?;
+        if id == "c0" && !self.ended.swap(true, Ordering::SeqCst) {
+            sqlx::raw_sql("ROLLBACK").execute(cx.db()).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A batch bounded by its duration claims in chunks. A chunk claimed after a handler ended the
+/// transaction would commit its rows at once, as processed: a message of it whose handler then
+/// failed came back a duplicate, and was acked without ever having succeeded. The transaction
+/// is checked before each further chunk.
+#[tokio::test]
+async fn a_bounded_batch_claims_no_further_chunk_on_a_transaction_a_handler_ended() {
+    let db = db().await;
+    let broker = MemoryBroker::new("batch");
+    broker.record_acks();
+    for i in 0..3 {
+        broker.publish_in_lane("l", format!("c{i}"), format!("payload {i}"));
+    }
+    broker.close();
+    Consumer::builder("ended-chunks")
+        .source(broker.source())
+        .inbox(db.inbox())
+        .handler(EndsThenFails {
+            ended: Arc::default(),
+        })
+        .retry_policy(fast_retries().max_attempts(3))
+        .batch_linger(Duration::from_millis(300))
+        .batch_max_duration(Duration::from_secs(10))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .unwrap();
+    let fx = effects(&db).await;
+    assert_eq!(
+        fx.get("c1").map(|e| e.0),
+        Some(1),
+        "c1 applied once, on its second attempt, not acked as a duplicate of a claim committed in autocommit: {fx:?}"
+    );
+    assert_eq!(fx.get("c2").map(|e| e.0), Some(1), "{fx:?}");
+    assert_eq!(broker.acks().len(), 3, "each message acked once");
+}
+
 #[tokio::test]
 async fn a_crash_with_a_batch_open_leaves_nothing_and_the_redelivery_applies_once() {
     let db = db().await;

@@ -544,12 +544,96 @@ where
         !store.confirm_batch(&mut *tx, &batch).await.unwrap(),
         "a batch whose transaction was rolled back under it is not confirmed"
     );
-    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    // Back inside a transaction, so that the connection returns to the pool as it left it (a
+    // store may have opened one already: SQLite's does, and refuses a second BEGIN).
+    let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
     tx.rollback().await.unwrap();
     assert_eq!(
         claim(&*store, &u.entry(c), false).await,
         Claim::New { attempt: 1 }
     );
+
+    // The same, while another worker commits a redelivery of the batch's first key: its row
+    // now exists, committed, but not by this transaction, which is gone. The check must see
+    // the transaction, not the row, or the rest of the batch is acked without its effects.
+    let (w1, w2, w3) = (
+        Keyed::new("w1", "p-w1"),
+        Keyed::new("w2", "p-w2"),
+        Keyed::new("w3", "p-w3"),
+    );
+    let elsewhere = [Position {
+        source: "redelivered".into(),
+        lane: "0".into(),
+        next: 7,
+    }];
+    let batch = [w1.entry(c), w2.entry(c)];
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim_batch(&mut *tx, &batch).await.unwrap(),
+        [Claim::New { attempt: 1 }, Claim::New { attempt: 1 }]
+    );
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert_eq!(
+        claim(&*store, &w1.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+    assert!(
+        !store.confirm_batch(&mut *tx, &batch).await.unwrap(),
+        "a batch whose transaction ended is not confirmed, though its first key was committed since by another"
+    );
+    assert!(
+        !store
+            .confirm_and_save_positions(&mut *tx, &batch, c, &elsewhere)
+            .await
+            .unwrap(),
+        "nor with positions"
+    );
+    let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
+    tx.rollback().await.unwrap();
+    assert!(
+        store.load_positions(c, "redelivered").await.unwrap().is_empty(),
+        "no position written, not even outside the transaction"
+    );
+    assert_eq!(
+        claim(&*store, &w2.entry(c), false).await,
+        Claim::New { attempt: 1 },
+        "the rest of the batch was not committed"
+    );
+    // One message: the same check, with and without positions.
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(
+        store.claim(&mut *tx, &w3.entry(c)).await.unwrap(),
+        Claim::New { attempt: 1 }
+    );
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert_eq!(
+        claim(&*store, &w3.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+    assert!(!store.confirm(&mut *tx, &w3.entry(c)).await.unwrap());
+    assert!(!store
+        .confirm_and_save_positions(&mut *tx, &[w3.entry(c)], c, &elsewhere)
+        .await
+        .unwrap());
+    let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
+    tx.rollback().await.unwrap();
+    assert!(store.load_positions(c, "redelivered").await.unwrap().is_empty());
+    // A handler that ended the transaction and began another: not the transaction that
+    // claimed either.
+    let w4 = Keyed::new("w4", "p-w4");
+    let mut tx = store.begin().await.unwrap();
+    store.claim(&mut *tx, &w4.entry(c)).await.unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert_eq!(
+        claim(&*store, &w4.entry(c), true).await,
+        Claim::New { attempt: 1 }
+    );
+    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    assert!(
+        !store.confirm(&mut *tx, &w4.entry(c)).await.unwrap(),
+        "a transaction the handler began is not the one that claimed"
+    );
+    tx.rollback().await.unwrap();
 
     // The last step before COMMIT (`confirm_and_save_positions`): a transaction ended under it
     // is not confirmed and writes no position, not even outside the transaction (on the
@@ -579,7 +663,7 @@ where
         "a transaction rolled back under it is not confirmed"
     );
     // Back inside a transaction, so that the connection returns to the pool as it left it.
-    sqlx::raw_sql("BEGIN").execute(&mut *tx).await.unwrap();
+    let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
     tx.rollback().await.unwrap();
     assert!(
         stored().await.is_empty(),
