@@ -74,17 +74,33 @@ impl<DB: Database> TrackedTransaction<DB> {
         self.tx.rollback().await
     }
 
+    /// The transaction, whatever ran on it: for the runtime to roll it back through its store
+    /// ([`InboxStore::rollback`](crate::InboxStore::rollback)).
+    pub(crate) fn into_inner(self) -> Transaction<'static, DB> {
+        self.tx
+    }
+
     /// The transaction, to finish and commit, if no statement run through this failed;
     /// otherwise rolls it back.
     pub async fn into_transaction(self) -> Result<Transaction<'static, DB>, StatementFailed> {
+        match self.checked() {
+            Ok(tx) => Ok(tx),
+            Err((tx, failed)) => {
+                // NOTE: explicitly, so the connection is clean before it returns to the pool.
+                drop(tx.rollback().await);
+                Err(failed)
+            }
+        }
+    }
+
+    /// The transaction if no statement run through this failed; otherwise the transaction, for
+    /// the runtime to roll back through its store, and the failure.
+    pub(crate) fn checked(
+        self,
+    ) -> Result<Transaction<'static, DB>, (Transaction<'static, DB>, StatementFailed)> {
         match self.failed {
             None => Ok(self.tx),
-            Some(error) => {
-                // NOTE: explicitly, so the connection is clean before it returns to the pool; if
-                // the rollback fails, sqlx closes the connection.
-                drop(self.tx.rollback().await);
-                Err(StatementFailed { error })
-            }
+            Some(error) => Err((self.tx, StatementFailed { error })),
         }
     }
 }

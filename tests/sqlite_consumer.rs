@@ -13,6 +13,10 @@ use txinbox::memory::MemoryBroker;
 use txinbox::{Consumer, Context, Handler, HandlerError, Message, RetryPolicy, SqliteInbox};
 
 async fn inbox() -> SqliteInbox {
+    inbox_with(12).await
+}
+
+async fn inbox_with(connections: u32) -> SqliteInbox {
     static N: AtomicU32 = AtomicU32::new(0);
     let path = std::env::temp_dir().join(format!(
         "txinbox_consumer_{}_{}.db",
@@ -22,7 +26,7 @@ async fn inbox() -> SqliteInbox {
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
     }
-    let inbox = SqliteInbox::open(&path, 12).await.unwrap();
+    let inbox = SqliteInbox::open(&path, connections).await.unwrap();
     txinbox::sqlite::migrate(inbox.pool()).await.unwrap();
     sqlx::raw_sql(
         "CREATE TABLE effects (seq INTEGER PRIMARY KEY, message_id TEXT NOT NULL, attempt INTEGER NOT NULL)",
@@ -268,4 +272,64 @@ async fn sqlite_a_failure_on_the_connection_itself_is_not_seen() {
     consumer("raw", &inbox, &broker, handler, 1).run().await.unwrap();
     assert_eq!(effects(inbox.pool()).await, [("evt-1".to_owned(), 1)]);
     assert_eq!(attempts(inbox.pool(), "evt-1").await, ("processed".into(), 1));
+}
+
+/// Ends the transaction itself (`ROLLBACK` on its connection) and fails, on the first attempt
+/// of `evt-1`; writes its effect otherwise.
+struct RollsBackAndFails;
+
+#[txinbox::async_trait]
+impl Handler<Sqlite> for RollsBackAndFails {
+    async fn handle(&self, cx: &mut Context<'_, Sqlite>, _msg: &Message) -> Result<(), HandlerError> {
+        let id = cx.message_id().to_string();
+        if id == "evt-1" && cx.attempt() == 1 {
+            sqlx::raw_sql("ROLLBACK").execute(cx.db()).await?;
+            return Err(HandlerError::transient("failed after ending the transaction"));
+        }
+        sqlx::query("INSERT INTO effects (message_id, attempt) VALUES (?1, ?2)")
+            .bind(&id)
+            .bind(i64::from(cx.attempt()))
+            .execute(cx.db())
+            .await?;
+        Ok(())
+    }
+}
+
+/// A handler that ended the transaction and then failed, in a batch and then alone: the
+/// runtime's ROLLBACK finds no transaction on SQLite. Its connection must not go back to the
+/// pool still counting one: sqlx's next BEGIN on it failed, and the consumer stopped. One
+/// connection, so the next transaction gets that one.
+#[tokio::test]
+async fn sqlite_a_handler_that_ended_the_transaction_and_failed_leaves_its_connection_usable() {
+    let inbox = inbox_with(1).await;
+    let broker = MemoryBroker::new("ended");
+    for i in 0..3 {
+        broker.publish(format!("evt-{i}"), "p");
+    }
+    broker.close();
+    Consumer::builder("ended")
+        .source(broker.source())
+        .inbox(inbox.clone())
+        .handler(RollsBackAndFails)
+        .retry_policy(
+            RetryPolicy::default()
+                .initial_delay(Duration::from_millis(5))
+                .max_delay(Duration::from_millis(20))
+                .max_attempts(3),
+        )
+        .concurrency(1)
+        .batch_linger(Duration::from_millis(300))
+        .build()
+        .unwrap()
+        .run()
+        .await
+        .expect("the consumer goes on after the handler's ROLLBACK");
+    assert_eq!(
+        effects(inbox.pool()).await,
+        [
+            ("evt-0".to_owned(), 1),
+            ("evt-1".to_owned(), 2),
+            ("evt-2".to_owned(), 1)
+        ]
+    );
 }

@@ -238,7 +238,7 @@ where
         let needs_alone =
             |c: &Claim| !matches!(c, Claim::New { .. } | Claim::Duplicate(InboxStatus::Processed));
         if let Some(k) = claims.iter().position(needs_alone) {
-            drop(tx.rollback().await);
+            self.store.rollback(tx).await;
             return Ok(Trip::Cut(k, false));
         }
         crate::crash::hit(crate::crash::AFTER_CLAIM);
@@ -271,7 +271,7 @@ where
             };
             // One duration sample per call: for a batch handler, the whole batch.
             if let Err(error) = run_handler(self, handler.handle_batch(&mut cx, &messages)).await {
-                drop(tx.rollback().await);
+                self.store.rollback(tx.into_inner()).await;
                 let contended = error.is_contention();
                 tracing::debug!(%error, size = batch.len(), "batch handler failed; each message runs alone");
                 return Ok(Trip::Unknown(contended));
@@ -295,7 +295,7 @@ where
                     let handled = self.handler.handle(&mut cx, item.delivery.message());
                     let result = run_handler(self, handled).instrument(item.span.clone()).await;
                     if let Err(error) = result {
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         let contended = error.is_contention();
                         tracing::debug!(
                             parent: &item.span,
@@ -312,7 +312,7 @@ where
                             size = batch.len(),
                             "a statement of a handler failed in a batch and it went on; the batch is re-run without this message, which runs alone"
                         );
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         return Ok(Trip::Cut(i, false));
                     }
                     handler_time += call_started.elapsed();
@@ -329,11 +329,16 @@ where
                 // is the transaction still there? A handler may have ended it, and a chunk
                 // claimed on a connection in autocommit commits its rows at once: its messages
                 // would come back as duplicates, acked without their effects.
-                let so_far: Vec<Entry<'_>> = new.iter().map(|&(i, _)| entries[i]).collect();
-                match store.confirm_batch(&mut *tx, &so_far).await {
+                // (The first new key stands for them all, as in `confirm_batch`; none is new:
+                // no handler ran.)
+                let first_new = match new.first() {
+                    Some(&(i, _)) => std::slice::from_ref(&entries[i]),
+                    None => &[],
+                };
+                match store.confirm_batch(&mut *tx, first_new).await {
                     Ok(true) => {}
                     Ok(false) => {
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         tracing::info!(
                             size = batch.len(),
                             "a batch's transaction ended under its handlers before its next chunk; each message runs alone"
@@ -341,7 +346,7 @@ where
                         return Ok(Trip::Unknown(false));
                     }
                     Err(e) => {
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         tracing::info!(error = %e, size = batch.len(), "checking a batch's transaction before its next chunk failed; each message runs alone");
                         return Ok(Trip::Unknown(e.is_contention()));
                     }
@@ -352,13 +357,13 @@ where
                     Err(e) => {
                         // Handlers have run: not an `Err` (which would retry the whole
                         // attempt as if nothing had), but each message alone.
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         tracing::info!(error = %e, size = batch.len(), "claiming a batch's next chunk failed; each message runs alone");
                         return Ok(Trip::Unknown(e.is_contention()));
                     }
                 };
                 if let Some(k) = more.iter().position(needs_alone) {
-                    drop(tx.rollback().await);
+                    self.store.rollback(tx.into_inner()).await;
                     return Ok(Trip::Cut(taken + k, false));
                 }
                 let mut duplicates = Vec::new();
@@ -370,7 +375,7 @@ where
                 }
                 if !duplicates.is_empty() {
                     if let Err(e) = store.record_duplicates(&mut *tx, &duplicates).await {
-                        drop(tx.rollback().await);
+                        self.store.rollback(tx.into_inner()).await;
                         tracing::info!(error = %e, "recording a batch's duplicates failed; each message runs alone");
                         return Ok(Trip::Unknown(e.is_contention()));
                     }
@@ -383,9 +388,10 @@ where
         }
 
         // A batch handler's failed statement (a handler's was seen above, with its message).
-        let mut tx = match tx.into_transaction().await {
+        let mut tx = match tx.checked() {
             Ok(tx) => tx,
-            Err(error) => {
+            Err((tx, error)) => {
+                self.store.rollback(tx).await;
                 tracing::info!(%error, size = batch.len(), "each message of the batch runs alone");
                 return Ok(Trip::Unknown(false));
             }
@@ -425,7 +431,7 @@ where
         {
             Ok(true) => {}
             Ok(false) => {
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 tracing::info!(
                     size = batch.len(),
                     "a batch's transaction was aborted by a statement a handler ignored; each message runs alone"
@@ -433,7 +439,7 @@ where
                 return Ok(Trip::Unknown(false));
             }
             Err(e) => {
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 tracing::info!(error = %e, "checking a batch's transaction or storing its position failed; each message runs alone");
                 return Ok(Trip::Unknown(e.is_contention()));
             }

@@ -265,7 +265,7 @@ where
             Claim::New { attempt } => attempt,
             Claim::Duplicate(InboxStatus::DeadLettered) => {
                 // No position: it moves only once the broker has taken this delivery's dead letter.
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 return Ok(Attempt::DeadLetteredBefore);
             }
             Claim::Duplicate(_) => {
@@ -281,7 +281,7 @@ where
                 return Ok(Attempt::Duplicate);
             }
             Claim::Conflict => {
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 return Ok(Attempt::Conflict);
             }
         };
@@ -310,9 +310,10 @@ where
                 Err(error) => error,
             },
             Err(error) => {
-                // Roll back explicitly rather than on drop, so the connection is clean before it
-                // returns to the pool. If the rollback fails the connection is closed.
-                drop(tx.rollback().await);
+                // Roll back explicitly rather than on drop, and through the store, so the
+                // connection is clean before it returns to the pool, even if the handler ended
+                // the transaction itself (see `InboxStore::rollback`).
+                self.store.rollback(tx.into_inner()).await;
                 error
             }
         };
@@ -332,7 +333,13 @@ where
             |stage: &'static str, error: StoreError| HandlerError::transient(Finishing { stage, error });
         // NOTE: a handler that ignored a failed statement: SQLite would commit what succeeded
         // before it (it does not abort the transaction).
-        let mut tx = tx.into_transaction().await.map_err(HandlerError::transient)?;
+        let mut tx = match tx.checked() {
+            Ok(tx) => tx,
+            Err((tx, failed)) => {
+                self.store.rollback(tx).await;
+                return Err(HandlerError::transient(failed));
+            }
+        };
         // NOTE: without this check, a handler that ended the transaction itself, or ignored a
         // failed statement run on the connection directly, would make PostgreSQL roll back at
         // COMMIT without reporting an error, and the message would be acked with nothing
@@ -344,14 +351,14 @@ where
         {
             Ok(true) => {}
             Ok(false) => {
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 return Err(HandlerError::transient(
                     "the handler's transaction was aborted (a failed statement whose error the handler \
                  ignored) or ended by the handler; nothing was committed",
                 ));
             }
             Err(e) => {
-                drop(tx.rollback().await);
+                self.store.rollback(tx).await;
                 return Err(failed(
                     "checking the transaction before COMMIT (and storing the position) failed",
                     e,

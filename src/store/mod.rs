@@ -48,6 +48,14 @@ pub trait InboxStore: Send + Sync + 'static {
     /// never acknowledges such a message; its next trip goes through [`claim`](Self::claim).
     async fn commit(&self, tx: sqlx::Transaction<'static, Self::Db>) -> Result<(), StoreError>;
 
+    /// Rolls the message's transaction back. The runtime rolls back through this, never
+    /// through `tx.rollback()`, so that a store can make sure the connection goes back to the
+    /// pool clean even when a handler ended the transaction itself. Errors are the store's to
+    /// absorb: the transaction's work is gone either way. The default is `tx.rollback()`.
+    async fn rollback(&self, tx: sqlx::Transaction<'static, Self::Db>) {
+        drop(tx.rollback().await);
+    }
+
     /// Inserts the inbox row for `entry` as processed, or claims a row left `retrying` by an
     /// earlier failed attempt with the same fingerprint. Otherwise reports a duplicate or a
     /// conflict and changes nothing.
@@ -95,8 +103,10 @@ pub trait InboxStore: Send + Sync + 'static {
     ///
     /// A batch's claim is one statement in one transaction, so its rows stand or fall together:
     /// a failed statement aborts the transaction and a handler that ends the transaction itself
-    /// takes them all. The default therefore probes one row, the first, and costs one index
-    /// lookup whatever the batch size.
+    /// takes them all. (A batch bounded by its duration claims in chunks; the runtime checks the
+    /// transaction before each further chunk, so a later chunk is never claimed outside it.) The
+    /// default therefore probes one row, the first, and costs one index lookup whatever the
+    /// batch size.
     async fn confirm_batch(
         &self,
         conn: &mut Connection<Self>,
@@ -226,7 +236,10 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Checks, once when a consumer starts, the database settings the guarantee relies on, and
     /// returns a warning (what is off, what it risks, what to set) for each that is not as
-    /// needed. The runtime logs them; it does not refuse to run. The default checks nothing.
+    /// needed. The runtime logs them; it does not refuse to run for them. A fatal error (a
+    /// server the store cannot work with at all, such as PostgreSQL before 13) stops the
+    /// consumer; any other error is logged at debug and ignored (the first transaction finds an
+    /// outage). The default checks nothing.
     ///
     /// The guarantee needs a COMMIT to be durable before the broker is acknowledged: with
     /// PostgreSQL's `synchronous_commit = off` (or `fsync = off`), or SQLite below

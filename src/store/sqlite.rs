@@ -227,6 +227,16 @@ impl InboxStore for SqliteInbox {
         tx.commit().await.map_err(|e| self.classify(e))
     }
 
+    async fn rollback(&self, mut tx: Transaction<'static, Sqlite>) {
+        // NOTE: a handler may have ended the transaction itself (ROLLBACK on its connection).
+        // Then sqlx's ROLLBACK fails, sqlx goes on counting the transaction, and the next BEGIN
+        // on the connection fails (fatal). So a BEGIN first: refused inside a transaction (the
+        // usual case, one in-process statement), it opens one where the handler ended ours,
+        // and the ROLLBACK always ends something.
+        let _ = sqlx::raw_sql("BEGIN").execute(&mut *tx).await;
+        drop(tx.rollback().await);
+    }
+
     async fn claim(&self, conn: &mut SqliteConnection, entry: &Entry<'_>) -> Result<Claim, StoreError> {
         let attempts: Option<i64> = bind_entry!(sqlx::query_scalar(CLAIM), entry)
             .fetch_optional(&mut *conn)
