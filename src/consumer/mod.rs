@@ -152,6 +152,9 @@ where
                         tracing::warn!(consumer = %preflight.name, %warning, "inbox database setting puts the guarantee at risk");
                     }
                 }
+                // A server the store cannot work with (too old): stop before every message
+                // fails its transaction one attempt after another.
+                Err(e) if !e.is_transient() => preflight.fail(Error::Store(e)),
                 Err(e) => {
                     tracing::debug!(consumer = %preflight.name, error = %e, "checking the inbox database's settings failed")
                 }

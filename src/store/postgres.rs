@@ -34,7 +34,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
     migrator().run(pool).await
 }
 
-/// The inbox in PostgreSQL.
+/// The inbox in PostgreSQL (13 or later: a consumer on an older server stops at its start).
 ///
 /// Build it on your application's pool with [`PostgresInbox::new`], or let
 /// [`PostgresInbox::connect`] build a pool with the recommended server-side timeouts.
@@ -220,6 +220,11 @@ VALUES ($1, $2, $3, $4)
 ON CONFLICT (consumer, source, lane) DO UPDATE
     SET next_position = EXCLUDED.next_position, updated_at = now()";
 
+/// `server_version_num` of the oldest PostgreSQL the store works with: 13, for [`HELD`]'s
+/// `pg_current_xact_id_if_assigned()`. Checked by `preflight`, which stops a consumer on an
+/// older server before its messages fail the check one attempt after another.
+const MIN_SERVER_VERSION: i32 = 130000;
+
 /// Whether the transaction on this connection holds the row of `$1` consumer, `$2` message ID
 /// as processed: the row's version was written by this very transaction (`xmin`), not merely
 /// committed by someone. A handler that ended the transaction (a `ROLLBACK` on the connection
@@ -385,7 +390,7 @@ impl InboxStore for PostgresInbox {
             Ok(held) => Ok(held.flatten() == Some(true)),
             // 25P02 in_failed_sql_transaction: a statement failed and the handler went on.
             Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25P02") => Ok(false),
-            Err(e) => Err(classify(e)),
+            Err(e) => Err(self.classify(e)),
         }
     }
 
@@ -603,11 +608,20 @@ impl InboxStore for PostgresInbox {
     }
 
     async fn preflight(&self) -> Result<Vec<String>, StoreError> {
-        let (synchronous_commit, fsync): (String, String) =
-            sqlx::query_as("SELECT current_setting('synchronous_commit'), current_setting('fsync')")
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.classify(e))?;
+        let (synchronous_commit, fsync, version): (String, String, i32) = sqlx::query_as(
+            "SELECT current_setting('synchronous_commit'), current_setting('fsync'), current_setting('server_version_num')::int",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| self.classify(e))?;
+        if version < MIN_SERVER_VERSION {
+            return Err(StoreError::fatal(format!(
+                "the inbox's PostgreSQL server is version {}.{} and txinbox needs 13 or later: its check before COMMIT uses pg_current_xact_id_if_assigned(), new in 13, and every transaction would fail it; upgrade the server",
+                version / 10000,
+                version % 10000 / 100,
+            ))
+            .in_store(super::Store::Postgres));
+        }
         let mut warnings = Vec::new();
         if synchronous_commit == "off" {
             warnings.push(

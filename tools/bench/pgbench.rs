@@ -22,7 +22,7 @@ impl Bench {
                 "BEGIN;\n\
                  INSERT INTO txinbox.inbox AS i (consumer, message_id, id_strategy, fingerprint, status, attempts, processed_at, source_system, destination) SELECT 'pgbench', 'pgb-' || nextval('bench_pgb_seq'), 'native', decode(repeat('00', 32), 'hex'), 'processed', 1, now(), 'memory', 'bench' FROM generate_series(1, {batch}) ORDER BY 2 ON CONFLICT (consumer, message_id) DO UPDATE SET status = 'processed', attempts = i.attempts + 1, processed_at = now() WHERE i.status = 'retrying' AND i.fingerprint = EXCLUDED.fingerprint RETURNING i.message_id, i.attempts;\n\
                  INSERT INTO bench_effects (message_id, bytes) SELECT 'pgb', g FROM generate_series(1, {batch}) g;\n\
-                 SELECT status FROM txinbox.inbox WHERE consumer = 'pgbench' AND message_id = (SELECT 'pgb-' || currval('bench_pgb_seq'));\n\
+                 SELECT status = 'processed' AND xmin = pg_current_xact_id_if_assigned()::xid FROM txinbox.inbox WHERE consumer = 'pgbench' AND message_id = (SELECT 'pgb-' || currval('bench_pgb_seq'));\n\
                  COMMIT;\n"
             )
         } else {
