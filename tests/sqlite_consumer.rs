@@ -10,7 +10,7 @@ use std::time::Duration;
 use sqlx::{Sqlite, SqlitePool};
 use txinbox::handler::{BatchContext, BatchHandler, BatchMessage};
 use txinbox::memory::MemoryBroker;
-use txinbox::{Consumer, Context, Handler, HandlerError, Message, RetryPolicy, SqliteInbox};
+use txinbox::{Consumer, Context, Handler, HandlerError, InboxStore, Message, RetryPolicy, SqliteInbox};
 
 async fn inbox() -> SqliteInbox {
     inbox_with(12).await
@@ -332,4 +332,25 @@ async fn sqlite_a_handler_that_ended_the_transaction_and_failed_leaves_its_conne
             ("evt-2".to_owned(), 1)
         ]
     );
+}
+
+/// Whatever left a connection counting a transaction it no longer has (a handler's `ROLLBACK`
+/// on a path that rolls back around the store, such as the HTTP layer's, or a COMMIT that
+/// SQLite itself rolled back on a full disk), the pool `SqliteInbox::open` builds does not
+/// hand it out again: sqlx's next BEGIN on it failed with `InvalidSavePointStatement`, which
+/// stops a consumer. One connection, so the next transaction would get that one.
+#[tokio::test]
+async fn sqlite_a_connection_left_counting_a_transaction_is_not_handed_out_again() {
+    let inbox = inbox_with(1).await;
+    let mut tx = inbox.pool().begin().await.unwrap();
+    sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await.unwrap();
+    assert!(
+        tx.rollback().await.is_err(),
+        "sqlx's own ROLLBACK finds no transaction, and sqlx goes on counting one"
+    );
+    let tx = inbox
+        .begin()
+        .await
+        .expect("the next transaction runs on a connection that is not counting one");
+    inbox.commit(tx).await.unwrap();
 }

@@ -14,7 +14,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Sqlite, Transaction};
+use sqlx::{Connection, Sqlite, Transaction};
 
 use super::{Claim, DeadLetterOutcome, DeadLetterRecord, Entry, InboxStore, StoreError, Taken};
 use crate::dead_letter::DeadLetterReason;
@@ -61,6 +61,12 @@ impl SqliteInbox {
 
     /// An inbox on an existing pool whose options went through
     /// [`connect_options`](Self::connect_options). Run [`migrate`] once before consuming.
+    ///
+    /// Give the pool the check [`open`](Self::open) gives its own, so that a connection left
+    /// counting a transaction it no longer has is closed rather than handed out again (its
+    /// next BEGIN would fail, and stop the consumer):
+    /// `SqlitePoolOptions::new().before_acquire(|conn, _| Box::pin(async move { Ok(!conn.is_in_transaction()) }))`
+    /// (with `sqlx::Connection` in scope).
     pub fn new(pool: SqlitePool) -> Self {
         SqliteInbox { pool }
     }
@@ -73,6 +79,12 @@ impl SqliteInbox {
         let pool = SqlitePoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
+            // A connection sqlx still counts a transaction on, though SQLite ended it (a
+            // handler's ROLLBACK on a path that rolls back around `rollback`, such as the HTTP
+            // layer's; a COMMIT SQLite rolled back itself on a full disk): closed, not handed
+            // out. Its next BEGIN would fail with `InvalidSavePointStatement`, fatal to a
+            // consumer. By acquire time the release's ping has run any ROLLBACK sqlx queued.
+            .before_acquire(|conn, _| Box::pin(async move { Ok(!conn.is_in_transaction()) }))
             .connect_with(options)
             .await
             .map_err(classify)?;
