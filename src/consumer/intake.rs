@@ -16,12 +16,17 @@ use crate::health;
 use crate::source::{Lane, MessageSource};
 use crate::telemetry;
 
-/// Receives while there is room and the database is healthy; returns the source at the end.
+/// How long intake waits for the store's preflight before it receives anyway.
+const PREFLIGHT_WAIT: Duration = Duration::from_secs(2);
+
+/// Receives, once the store's preflight has answered, while there is room and the database is
+/// healthy; returns the source at the end.
 pub(super) async fn intake<Src: MessageSource, St, H>(
     mut source: Src,
     shared: Arc<Shared<St, H>>,
     max_in_flight: usize,
     tx: mpsc::UnboundedSender<InFlight<Src::Delivery>>,
+    preflight_done: tokio::sync::oneshot::Receiver<()>,
 ) -> Src {
     let slots = Arc::new(Semaphore::new(max_in_flight));
     let gauge = shared.metrics.in_flight.clone();
@@ -31,6 +36,13 @@ pub(super) async fn intake<Src: MessageSource, St, H>(
     // of the consumer's CPU under load.
     let shutdown = shared.shutdown.cancelled();
     tokio::pin!(shutdown);
+    // Nothing is received before the store's preflight has answered (see `run_until`; its end,
+    // whatever the outcome, drops the sender), or PREFLIGHT_WAIT has passed: a database that
+    // does not answer is then found by the first transaction, as before there was a check.
+    tokio::select! {
+        _ = tokio::time::timeout(PREFLIGHT_WAIT, preflight_done) => {}
+        _ = &mut shutdown => return source,
+    }
     loop {
         let permit = match slots.clone().try_acquire_owned() {
             Ok(permit) => permit,

@@ -143,9 +143,14 @@ where
         ));
         let _gauges = AbortOnDrop(gauges);
         let preflight = shared.clone();
+        // Intake starts once the check has answered (or after a short wait, see `intake`): a
+        // server the store cannot work with must stop the consumer before any message's
+        // transaction fails on it and counts an attempt.
+        let (checked, preflight_done) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            // Best effort and off the start path: a database that is down now is found by the
-            // first transaction, which fails closed.
+            let _checked = checked; // dropped when this ends, whatever the outcome
+                                    // Best effort: a database that is down now is found by the first transaction,
+                                    // which fails closed.
             match preflight.store.preflight().await {
                 Ok(warnings) => {
                     for warning in warnings {
@@ -161,7 +166,7 @@ where
             }
         });
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let intake = tokio::spawn(intake(source, shared.clone(), max_in_flight, tx));
+        let intake = tokio::spawn(intake(source, shared.clone(), max_in_flight, tx, preflight_done));
         // If this future is dropped (the caller's "crash"), stop intake too.
         let _stop_intake = shared.shutdown.clone().drop_guard();
 

@@ -223,7 +223,7 @@ ON CONFLICT (consumer, source, lane) DO UPDATE
 /// `server_version_num` of the oldest PostgreSQL the store works with: 13, for [`HELD`]'s
 /// `pg_current_xact_id_if_assigned()`. Checked by `preflight`, which stops a consumer on an
 /// older server before its messages fail the check one attempt after another.
-const MIN_SERVER_VERSION: i32 = 130000;
+const MIN_SERVER_VERSION: u32 = 130000;
 
 /// Whether the transaction on this connection holds the row of `$1` consumer, `$2` message ID
 /// as processed: the row's version was written by this very transaction (`xmin`), not merely
@@ -608,20 +608,30 @@ impl InboxStore for PostgresInbox {
     }
 
     async fn preflight(&self) -> Result<Vec<String>, StoreError> {
-        let (synchronous_commit, fsync, version): (String, String, i32) = sqlx::query_as(
-            "SELECT current_setting('synchronous_commit'), current_setting('fsync'), current_setting('server_version_num')::int",
-        )
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| self.classify(e))?;
+        // The server's version comes with the connection (its startup message): no query, no
+        // privilege needed.
+        let mut conn = self.pool.acquire().await.map_err(|e| self.classify(e))?;
+        let version = conn.server_version_num().unwrap_or(u32::MAX);
         if version < MIN_SERVER_VERSION {
             return Err(StoreError::fatal(format!(
                 "the inbox's PostgreSQL server is version {}.{} and txinbox needs 13 or later: its check before COMMIT uses pg_current_xact_id_if_assigned(), new in 13, and every transaction would fail it; upgrade the server",
                 version / 10000,
-                version % 10000 / 100,
+                version % 10000,
             ))
             .in_store(super::Store::Postgres));
         }
+        // Settings a role cannot read, or a server without them: nothing to warn about.
+        let settings: Result<(String, String), _> =
+            sqlx::query_as("SELECT current_setting('synchronous_commit'), current_setting('fsync')")
+                .fetch_one(&mut *conn)
+                .await;
+        let (synchronous_commit, fsync) = match settings {
+            Ok(settings) => settings,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the inbox database's durability settings failed");
+                return Ok(Vec::new());
+            }
+        };
         let mut warnings = Vec::new();
         if synchronous_commit == "off" {
             warnings.push(
