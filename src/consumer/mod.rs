@@ -148,9 +148,10 @@ where
         // transaction fails on it and counts an attempt.
         let (checked, preflight_done) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            let _checked = checked; // dropped when this ends, whatever the outcome
-                                    // Best effort: a database that is down now is found by the first transaction,
-                                    // which fails closed.
+            // Dropped when this task ends, whatever the outcome: intake goes on then.
+            let _checked = checked;
+            // Best effort: a database that is down now is found by the first transaction,
+            // which fails closed.
             match preflight.store.preflight().await {
                 Ok(warnings) => {
                     for warning in warnings {
