@@ -325,20 +325,13 @@ pub(crate) fn resolve_batch(
     existing: &std::collections::HashMap<String, (String, Vec<u8>)>,
 ) -> Result<Vec<Claim>, StoreError> {
     // Per key: the row's (status, fingerprint) after the occurrences decided so far. Kept only
-    // when a key repeats: the common batch has none, and hashing every ID once more cost more
-    // than the rest of this function.
+    // when a key repeats (the claimed and existing rows then cover fewer keys than there are
+    // entries): the common batch has none, and hashing every ID into it cost more than the rest
+    // of this function. Left empty, it answers every lookup without hashing.
     let repeats = claimed.len() + existing.len() < entries.len();
     let mut rows: std::collections::HashMap<&str, (InboxStatus, [u8; 32])> = std::collections::HashMap::new();
     let mut claims = Vec::with_capacity(entries.len());
     for entry in entries {
-        if !repeats {
-            let claim = match claimed.get(entry.id.as_str()) {
-                Some(&attempt) => Claim::New { attempt },
-                None => Claim::from_existing(existing.get(entry.id.as_str()).cloned(), entry)?,
-            };
-            claims.push(claim);
-            continue;
-        }
         let key = entry.id.as_str();
         let claim = match rows.get(key) {
             // A later occurrence of a key seen earlier in this batch.
@@ -349,7 +342,7 @@ pub(crate) fn resolve_batch(
                 None => Claim::from_existing(existing.get(key).cloned(), entry)?,
             },
         };
-        if !rows.contains_key(key) {
+        if repeats && !rows.contains_key(key) {
             let row = match claim {
                 Claim::New { .. } => (InboxStatus::Processed, *entry.fingerprint),
                 _ => {
