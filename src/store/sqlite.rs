@@ -278,15 +278,9 @@ impl InboxStore for SqliteInbox {
         // opened.
         match sqlx::raw_sql(CHECK_OPEN_MARK).execute(&mut *conn).await {
             Ok(_) => {}
-            Err(sqlx::Error::Database(e)) if e.message().contains("no such savepoint") => {
-                // Gone with the transaction. Open one, so that the caller's ROLLBACK ends
-                // something and sqlx hands the connection back to the pool as it expects
-                // (a ROLLBACK that fails leaves it counting a transaction that is not there,
-                // and its next BEGIN fails). Already inside one (the handler began another):
-                // that one is rolled back.
-                let _ = sqlx::raw_sql("BEGIN").execute(&mut *conn).await;
-                return Ok(false);
-            }
+            // Gone with the transaction; the caller rolls back through `rollback`, which ends
+            // whatever the handler left on the connection.
+            Err(sqlx::Error::Database(e)) if e.message().contains("no such savepoint") => return Ok(false),
             Err(e) => return Err(self.classify(e)),
         }
         let found = sqlx::query_scalar::<_, i32>(
